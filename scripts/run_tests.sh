@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the whole test suite in .venv. Tests start what they need themselves (redis-server on a free
+# loopback port, vLLM engines); this script only makes sure redis-server is installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[test] installing redis-server (Debian package)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+# Keep vLLM's and torch's caches inside the run's own temp dir.
+export TMPDIR=${TMPDIR:-$(mktemp -d)}
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" = 5 ]; then
+  echo "[test] pytest collected no tests"; exit 1
+fi
+exit $rc
