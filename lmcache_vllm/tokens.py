@@ -1,0 +1,214 @@
+"""Token ids -> chunk boundaries -> prefix-chain digests -> `CacheKey`s, identical in every process.
+
+Scheme (format "tokens/v1"; a change of it must change `TOKEN_HASH_SCHEME` and the test vectors):
+- Tokens are cut into chunks of `chunk_size`; the last, shorter chunk is included only on request.
+- Token ids are hashed as little-endian int64 (8 bytes each), so any id a tokenizer produces is
+  representable and no range check is needed; a numpy array / torch tensor is converted to those bytes
+  by numpy, a list by one `struct.pack` call — never a per-token Python loop.
+- digest[0] = H(root || bytes(chunk 0)), digest[i] = H(digest[i-1] || bytes(chunk i)), where
+  root = H(b"lmcache-vllm/tokens/v1"). A digest therefore names the whole prefix up to its chunk end:
+  two prompts share digest i exactly when they share the first (i+1) chunks.
+- H is one of `SUPPORTED_HASH_ALGORITHMS`: "xxh3_128" (default: fastest measured here, 128-bit, not
+  cryptographic), "blake3" and "sha256" (cryptographic; choose one when untrusted tenants share a
+  remote cache and could try to forge collisions). Python's `hash()` is never used, so keys do not
+  depend on PYTHONHASHSEED or on vLLM's per-process block-hash seed.
+
+`CacheKey` adds what makes a stored chunk usable: model, tensor-parallel world size and rank, KV dtype
+and stored-format version. `to_str()` gives a string safe for file names and Redis keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+from urllib.parse import quote, unquote
+
+import numpy as np
+
+try:
+    import torch
+except ImportError:  # tokens.py works on plain lists / numpy arrays too
+    torch = None
+
+TOKEN_HASH_SCHEME = "tokens/v1"
+TOKEN_BYTES = 8  # little-endian int64 per token id
+DEFAULT_HASH_ALGORITHM = "xxh3_128"
+
+
+def _xxh3_128() -> Callable[[bytes], bytes]:
+    import xxhash
+    return xxhash.xxh3_128_digest
+
+
+def _blake3() -> Callable[[bytes], bytes]:
+    import blake3
+    return lambda data: blake3.blake3(data).digest()
+
+
+def _sha256() -> Callable[[bytes], bytes]:
+    sha256 = hashlib.sha256
+    return lambda data: sha256(data).digest()
+
+
+_HASH_FACTORIES = {"xxh3_128": _xxh3_128, "blake3": _blake3, "sha256": _sha256}
+SUPPORTED_HASH_ALGORITHMS = tuple(_HASH_FACTORIES)
+
+TokenIds = Union[Sequence[int], np.ndarray, "torch.Tensor"]
+
+
+def hash_function(algorithm: str) -> Callable[[bytes], bytes]:
+    """Returns `bytes -> digest` for a supported algorithm name."""
+    try:
+        factory = _HASH_FACTORIES[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown hash algorithm {algorithm!r}; supported: "
+                         f"{', '.join(SUPPORTED_HASH_ALGORITHMS)}") from None
+    return factory()
+
+
+def token_bytes(tokens: TokenIds) -> memoryview:
+    """Token ids as one contiguous little-endian int64 buffer (vectorised; no per-token loop)."""
+    if torch is not None and isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be integers, got a {tokens.dtype} tensor")
+        tokens = tokens.detach().to("cpu", torch.int64).numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got a numpy array of {tokens.dtype}")
+        array = np.ascontiguousarray(tokens, dtype="<i8")
+        if array.ndim != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {array.shape}")
+        return memoryview(array).cast("B")
+    # A list (what vLLM hands over): struct packs it in C about twice as fast as numpy or array.array
+    # convert it (measured: 150-200 vs 60-80 Mtokens/s for 300-4000 tokens).
+    try:
+        return memoryview(struct.Struct(f"<{len(tokens)}q").pack(*tokens))
+    except struct.error as exc:
+        raise TypeError(f"token ids must be a 1-D sequence of int64 values: {exc}") from None
+
+
+class ChunkHasher:
+    """Cuts token ids into `chunk_size` chunks and computes their prefix-chain digests."""
+
+    def __init__(self, chunk_size: int, algorithm: str = DEFAULT_HASH_ALGORITHM):
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.algorithm = algorithm
+        self._hash = hash_function(algorithm)
+        self.root = self._hash(b"lmcache-vllm/" + TOKEN_HASH_SCHEME.encode())
+
+    def spans(self, num_tokens: int, include_partial: bool = False) -> list[tuple[int, int]]:
+        """[start, end) of each chunk of a `num_tokens`-long sequence."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        cs = self.chunk_size
+        end = num_tokens if include_partial else num_tokens - num_tokens % cs
+        return [(s, min(s + cs, end)) for s in range(0, end, cs)]
+
+    def digests(self, tokens: TokenIds, include_partial: bool = False) -> list[bytes]:
+        """One digest per chunk (see `spans`), each naming the whole prefix up to the chunk's end."""
+        return self._digests_of(token_bytes(tokens), include_partial)
+
+    def _digests_of(self, data: memoryview, include_partial: bool) -> list[bytes]:
+        num_tokens = len(data) // TOKEN_BYTES
+        step = self.chunk_size * TOKEN_BYTES
+        end = len(data) if include_partial else num_tokens // self.chunk_size * step
+        h = self._hash
+        parent = self.root
+        out = []
+        for offset in range(0, end, step):
+            parent = h(parent + data[offset:offset + step])
+            out.append(parent)
+        return out
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Identifies one stored chunk: whose KV (model, TP layout, dtype, format) for which prefix."""
+
+    model: str
+    world_size: int
+    rank: int
+    kv_dtype: str
+    fmt_version: int
+    digest: bytes
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
+            raise ValueError(f"kv_dtype must be a non-empty str, got {self.kv_dtype!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {self.rank!r}")
+        if not isinstance(self.fmt_version, int) or self.fmt_version < 0:
+            raise ValueError(f"fmt_version must be an int >= 0, got {self.fmt_version!r}")
+        if not isinstance(self.digest, bytes) or not self.digest:
+            raise ValueError(f"digest must be non-empty bytes, got {self.digest!r}")
+
+    def to_str(self) -> str:
+        """`model@world_size@rank@kv_dtype@v<fmt>@<hex digest>`; model and dtype percent-escaped,
+        so the string holds no '/', '@' or ':' of its own and is safe as a file name or Redis key."""
+        return (f"{quote(self.model, safe='')}@{self.world_size}@{self.rank}@"
+                f"{quote(self.kv_dtype, safe='')}@v{self.fmt_version}@{self.digest.hex()}")
+
+    @classmethod
+    def from_str(cls, s: str) -> "CacheKey":
+        parts = s.split("@")
+        if len(parts) != 6 or not parts[4].startswith("v"):
+            raise ValueError(f"not a CacheKey string: {s!r}")
+        model, world_size, rank, kv_dtype, fmt, digest = parts
+        try:
+            return cls(unquote(model), int(world_size), int(rank), unquote(kv_dtype), int(fmt[1:]),
+                       bytes.fromhex(digest))
+        except ValueError as exc:
+            raise ValueError(f"not a CacheKey string: {s!r} ({exc})") from None
+
+    def with_rank(self, rank: int) -> "CacheKey":
+        return dataclasses.replace(self, rank=rank)
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 or 'bfloat16'; the spelling stored in keys."""
+    name = str(dtype)
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
+class KeyBuilder:
+    """Turns token ids into `(CacheKey, start, end)` for one model / TP rank / KV dtype / format."""
+
+    def __init__(self, model: str, world_size: int, rank: int, kv_dtype, fmt_version: int,
+                 hasher: ChunkHasher):
+        self.hasher = hasher
+        self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0")
+        self._fields = dict(self.template.__dict__)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.hasher.chunk_size
+
+    def keys(self, tokens: TokenIds, include_partial: bool = False) -> list[tuple[CacheKey, int, int]]:
+        data = token_bytes(tokens)
+        digests = self.hasher._digests_of(data, include_partial)
+        n = len(data) // TOKEN_BYTES
+        fields = self._fields
+        cs = self.hasher.chunk_size
+        new = object.__new__
+        out = []
+        for i, digest in enumerate(digests):
+            # The template was validated once; filling instances directly is 5x faster than __init__.
+            key = new(CacheKey)
+            attrs = key.__dict__
+            attrs.update(fields)
+            attrs["digest"] = digest
+            start = i * cs
+            out.append((key, start, min(start + cs, n)))
+        return out
