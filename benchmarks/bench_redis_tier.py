@@ -1,0 +1,186 @@
+"""Benchmark of the L3 Redis tier (`RedisBackend`): batched get/put of 64 KV chunks, GB/s.
+
+Starts its own redis-server (no persistence) on a free loopback port. Baselines in the same run, on the
+same bytes, with the same client library (redis-py asyncio + hiredis):
+- raw MGET of the 64 values in one call; raw pipelined GETs (64 GETs, one round trip); raw MGET split
+  over 4 connections at once; raw pipelined SETs.
+Our get = MGET + header/checksum verification + copy into allocator memory; our put = codec encode + one
+SET per chunk (concurrently). Ratios > 1 mean lmcache-vllm is faster; the get target is >= 0.9x the best
+raw read path, which does none of that work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (puts the repo root on sys.path)
+
+import redis.asyncio as aioredis  # noqa: E402
+import torch  # noqa: E402
+
+from lmcache_vllm.memory import HostAllocator  # noqa: E402
+from lmcache_vllm.storage import codec  # noqa: E402
+from lmcache_vllm.storage.redis_backend import RedisBackend  # noqa: E402
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument("--chunk-mib", type=float, default=None, help="MiB per chunk (default 4, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--read-groups", type=int, nargs="*", default=[1, 2, 4])
+
+
+def start_redis(workdir: str):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("redis-server did not start")
+
+
+async def run(args, url: str) -> dict:
+    num = args.chunks
+    chunk_mib = args.chunk_mib or (2.0 if args.quick else 4.0)
+    repeats = args.repeats or (3 if args.quick else 7)
+    hidden = 1024
+    tokens = max(1, int(chunk_mib * (1 << 20) / (32 * 2 * hidden * 2)))
+    shape = (32, 2, tokens, hidden)
+    chunks = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i in range(num)]
+    chunk_bytes = chunks[0].numel() * 2
+    total = chunk_bytes * num
+    keys = [f"bench@1@0@bfloat16@v1@{i:064x}" for i in range(num)]
+    src_alloc = HostAllocator(total + 64 * num)
+    objs = []
+    for t in chunks:
+        obj = src_alloc.allocate(t.shape, t.dtype)
+        obj.tensor.copy_(t)
+        objs.append(obj)
+    dst_alloc = HostAllocator(total + 64 * num)
+    dst_alloc.arena.fill_(0)
+    res: dict = {"chunks": num, "chunk_bytes": chunk_bytes, "repeats": repeats}
+
+    async def best(fn, setup=None) -> float:
+        times = []
+        for i in range(repeats + 1):
+            if setup is not None:
+                await setup()
+            start = time.perf_counter()
+            await fn()
+            if i:
+                times.append(time.perf_counter() - start)
+        return min(times)
+
+    raw = aioredis.Redis.from_url(url, max_connections=16)
+    raw_keys = [f"raw:{k}" for k in keys]
+    values = [bytes(codec.encode(k, t)) for k, t in zip(keys, chunks)]  # same bytes as our values
+
+    async def raw_put():
+        async with raw.pipeline(transaction=False) as pipe:
+            for k, v in zip(raw_keys, values):
+                pipe.set(k, v)
+            await pipe.execute()
+
+    async def raw_mget():
+        got = await raw.mget(raw_keys)
+        assert len(got) == num and got[-1] is not None
+
+    async def raw_pipe_get():
+        async with raw.pipeline(transaction=False) as pipe:
+            for k in raw_keys:
+                pipe.get(k)
+            got = await pipe.execute()
+        assert got[-1] is not None
+
+    async def raw_mget_split(n=4):
+        step = -(-num // n)
+        await asyncio.gather(*(raw.mget(raw_keys[i:i + step]) for i in range(0, num, step)))
+
+    res["raw_put_gbps"] = _common.gbps(total, await best(raw_put))
+    res["raw_mget_gbps"] = _common.gbps(total, await best(raw_mget))
+    res["raw_pipelined_get_gbps"] = _common.gbps(total, await best(raw_pipe_get))
+    res["raw_mget_4conn_gbps"] = _common.gbps(total, await best(raw_mget_split))
+    await raw.flushdb()
+
+    for groups in args.read_groups:
+        backend = RedisBackend(url, prefix="ours:", read_groups=groups, timeout_secs=30.0)
+        held: list = []
+
+        async def ours_put():
+            ok = await asyncio.gather(*(backend.put(k, o) for k, o in zip(keys, objs)))
+            assert all(ok)
+
+        async def release():
+            for o in held:
+                o.ref_down()
+            held.clear()
+
+        async def ours_get():
+            got = await backend.get_many(keys, lambda s, d: dst_alloc.allocate(s, d))
+            assert all(o is not None for o in got)
+            held.extend(got)
+
+        if groups == args.read_groups[0]:
+            res["ours_put_gbps"] = _common.gbps(total, await best(ours_put))
+        res[f"ours_get_groups{groups}_gbps"] = _common.gbps(total, await best(ours_get, release))
+        if not all(torch.equal(o.tensor, t) for o, t in zip(held, chunks)):
+            raise SystemExit("read-back mismatch")
+        await release()
+        await backend.close()
+    await raw.flushdb()
+    await raw.aclose()
+
+    best_raw_get = max(res["raw_mget_gbps"], res["raw_pipelined_get_gbps"])
+    best_ours_get = max(res[f"ours_get_groups{g}_gbps"] for g in args.read_groups)
+    res["ours_get_gbps"] = best_ours_get
+    res["get_vs_raw_mget_ratio"] = res["ours_get_groups1_gbps"] / res["raw_mget_gbps"] \
+        if 1 in args.read_groups else best_ours_get / res["raw_mget_gbps"]
+    res["get_best_vs_raw_best_ratio"] = best_ours_get / best_raw_get
+    res["put_vs_raw_pipelined_set_ratio"] = res["ours_put_gbps"] / res["raw_put_gbps"]
+    return res
+
+
+def main() -> None:
+    args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
+    workdir = tempfile.mkdtemp(prefix="lmcache-bench-redis-")
+    proc, url = start_redis(workdir)
+    try:
+        res = asyncio.run(run(args, url))
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    rows = [(name[:-5], value) for name, value in res.items() if name.endswith("_gbps")]
+    _common.print_table(f"redis tier: {res['chunks']} chunks x {res['chunk_bytes'] / 2**20:.1f} MiB, "
+                        f"best of {res['repeats']} (GB/s)", rows, ("path", "GB/s"))
+    for name, value in res.items():
+        if name.endswith("_ratio"):
+            print(f"{name}: {value:.2f}")
+    _common.write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()

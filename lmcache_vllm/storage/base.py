@@ -1,0 +1,83 @@
+"""The storage tier interface (`StorageBackend`) and the small types the tiers share.
+
+Backends are asynchronous and run on the StorageManager's event loop; keys are key strings
+(`CacheKey.to_str()`), values are `MemoryObj`s from the manager's `HostAllocator`. A backend never raises
+for a missing, corrupt or unreachable entry: it answers a miss and counts what happened in `counters`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import torch
+from collections import Counter
+from typing import Callable, Optional, Sequence
+
+from lmcache_vllm.memory import MemoryObj
+
+# alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
+AllocFn = Callable[[tuple, torch.dtype], Optional[MemoryObj]]
+
+
+class StorageBackend(abc.ABC):
+    """One storage tier. Defaults are no-ops so that a tier only implements what it supports."""
+
+    name: str = "backend"
+
+    def __init__(self) -> None:
+        self.counters: Counter = Counter()
+
+    @abc.abstractmethod
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Existence of each key, answered in one batch."""
+
+    @abc.abstractmethod
+    async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        """The chunk under `key` in memory from `alloc` (one ref for the caller), or None on a miss."""
+
+    async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
+        """Batched `get`; tiers with a cheaper batch path override it."""
+        return [await self.get(key, alloc) for key in keys]
+
+    @abc.abstractmethod
+    async def put(self, key: str, obj: MemoryObj) -> bool:
+        """Stores `obj` under `key` (the caller keeps its reference); False when the store was dropped."""
+
+    async def remove(self, key: str) -> None:
+        return None
+
+    async def clear(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return dict(self.counters)
+
+
+def release_objs(objs) -> None:
+    for obj in objs:
+        if obj is not None:
+            obj.ref_down()
+
+
+def _release_task_result(task: "asyncio.Future") -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    release_objs(result if isinstance(result, list) else [result])
+
+
+async def gather_owned(coros) -> list:
+    """`asyncio.gather` for coroutines returning MemoryObjs (or lists of them) with a ref for us.
+
+    If the gathering task is cancelled, results that complete anyway are released instead of leaked."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(_release_task_result)
+        raise

@@ -1,0 +1,124 @@
+"""L1: an index from key strings to `MemoryObj`s living in the `HostAllocator` arena.
+
+The index holds one reference on each object it stores and registers itself as the object's evictor, so
+the allocator evicts least-recently-used entries when an allocation does not fit (only entries nobody
+else references or pins). A `get` returns the object with an extra reference for the caller and marks
+it used. All operations are synchronous and thread-safe (the engine's thread and the manager's loop
+thread both call them); async wrappers satisfy `StorageBackend`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+from lmcache_vllm.memory import AllocationError, HostAllocator, MemoryObj
+from lmcache_vllm.storage.base import AllocFn, StorageBackend
+
+
+class LocalCPUBackend(StorageBackend):
+    name = "local_cpu"
+
+    def __init__(self, allocator: HostAllocator, *, keep_entries: bool = True):
+        super().__init__()
+        self.allocator = allocator
+        # keep_entries=False (config local_cpu: False): the arena is only a staging area for transfers.
+        self.keep_entries = keep_entries
+        self._lock = threading.Lock()
+        self._index: dict[str, MemoryObj] = {}
+        self._key_of: dict[int, str] = {}  # id(obj) -> key, for the eviction callback
+
+    # ---- synchronous API (used directly by the manager) ------------------------------------------
+    def allocate(self, shape, dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
+        return self.allocator.allocate(shape, dtype, timeout=timeout)
+
+    def try_allocate(self, shape, dtype: torch.dtype) -> Optional[MemoryObj]:
+        """Allocation for reads from lower tiers: never waits; None when memory is held by others."""
+        try:
+            return self.allocator.allocate(shape, dtype, timeout=0.0)
+        except AllocationError:
+            self.counters["alloc_failures"] += 1
+            return None
+
+    def contains_sync(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def get_sync(self, key: str) -> Optional[MemoryObj]:
+        with self._lock:
+            obj = self._index.get(key)
+            if obj is None:
+                return None
+            obj.ref_up()
+        obj.touch()
+        return obj
+
+    def put_sync(self, key: str, obj: MemoryObj) -> bool:
+        """Indexes `obj` under `key` with the index's own reference; an existing entry is kept."""
+        if not self.keep_entries:
+            return False
+        with self._lock:
+            if key in self._index:
+                return True  # keys name content: the stored copy is the same bytes
+            obj.ref_up()
+            self._index[key] = obj
+            self._key_of[id(obj)] = key
+        obj.set_evictor(self._on_evict)
+        self.counters["stores"] += 1
+        return True
+
+    def remove_sync(self, key: str) -> bool:
+        with self._lock:
+            obj = self._index.pop(key, None)
+            if obj is None:
+                return False
+            self._key_of.pop(id(obj), None)
+        obj.clear_evictor()
+        obj.ref_down()
+        return True
+
+    def clear_sync(self) -> None:
+        with self._lock:
+            keys = list(self._index)
+        for key in keys:
+            self.remove_sync(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _on_evict(self, obj: MemoryObj) -> None:
+        with self._lock:
+            key = self._key_of.pop(id(obj), None)
+            if key is None or self._index.get(key) is not obj:
+                return  # already removed by remove_sync, which dropped the index's reference
+            del self._index[key]
+        self.counters["evictions"] += 1
+        obj.ref_down()
+
+    # ---- StorageBackend ----------------------------------------------------------------------
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains_sync(k) for k in keys]
+
+    async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        return self.get_sync(key)
+
+    async def put(self, key: str, obj: MemoryObj) -> bool:
+        return self.put_sync(key, obj)
+
+    async def remove(self, key: str) -> None:
+        self.remove_sync(key)
+
+    async def clear(self) -> None:
+        self.clear_sync()
+
+    async def close(self) -> None:
+        self.clear_sync()
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        out["entries"] = len(self._index)
+        out["used_bytes"] = self.allocator.used_bytes
+        out["capacity_bytes"] = self.allocator.capacity
+        return out

@@ -1,0 +1,355 @@
+"""L2: one file per chunk in a local directory, with a size cap, LRU eviction and a start-up re-index.
+
+- File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
+  (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
+- Contents: `codec` header padded to 4 KiB, then the raw payload. Written to a `.tmp-*` file (mode 0600,
+  directory 0700) with one `os.writev` of header + the MemoryObj's bytes, then renamed into place, so a
+  reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
+  store as dropped.
+- Reads run on a thread pool (several threads: parallel cold reads are ~3x faster than one on this
+  machine): `pread` of the header, allocation of a MemoryObj of the right shape, `preadv` of the payload
+  straight into the MemoryObj's bytes, checksum. A corrupt or truncated file is a miss and is deleted.
+  Eviction may unlink a file a reader has open; POSIX keeps the open file readable, so that is safe.
+- Start-up: the directory is scanned and every header read; our files (right magic and format version,
+  accepted by `key_filter`, e.g. the same model) are indexed oldest-mtime first; files of another
+  format version or rejected by the filter are left alone and not counted; corrupt files of our format
+  are removed; temp files older than an hour (a crashed writer's) are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+from urllib.parse import quote, unquote
+
+import xxhash
+
+from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".lmc"
+TMP_PREFIX = ".tmp-"
+HEADER_ALIGN = 4096
+_MAX_NAME = 200
+_STALE_TMP_SECS = 3600.0
+
+
+def filename_for(key: str) -> str:
+    name = quote(key, safe="@") + SUFFIX
+    if len(name) > _MAX_NAME:
+        return "h-" + xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
+    return name
+
+
+def _key_from_filename(name: str) -> Optional[str]:
+    if name.startswith("h-") or not name.endswith(SUFFIX):
+        return None  # hashed names: the key comes from the header
+    return unquote(name[:-len(SUFFIX)])
+
+
+class LocalDiskBackend(StorageBackend):
+    name = "local_disk"
+
+    def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
+                 fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None):
+        super().__init__()
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        self.path = os.path.abspath(path)
+        self.max_bytes = int(max_bytes)
+        self.fsync = fsync
+        self.key_filter = key_filter
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        if os.stat(self.path).st_uid == os.getuid():
+            os.chmod(self.path, 0o700)
+        self._lock = threading.Lock()
+        self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
+        self._used = 0  # bytes of indexed files plus bytes reserved by writes in progress
+        self._writing: set[str] = set()
+        self._read_pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmcache-disk-read")
+        self._write_pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="lmcache-disk-write")
+        self._closed = False
+        self._scan()
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def _scan(self) -> None:
+        found = []
+        now = time.time()
+        with os.scandir(self.path) as it:
+            for entry in it:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.name.startswith(TMP_PREFIX):
+                    if now - entry.stat().st_mtime > _STALE_TMP_SECS:
+                        self._unlink(entry.name)
+                    continue
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                item = self._scan_file(entry)
+                if item is not None:
+                    found.append(item)
+        found.sort(key=lambda item: item[0])
+        for _, key, name, size in found:
+            self._index[key] = (name, size)
+            self._used += size
+        self.counters["reindexed"] += len(found)
+        self._evict_to(self.max_bytes)
+
+    def _scan_file(self, entry: os.DirEntry):
+        try:
+            st = entry.stat()
+            with open(entry.path, "rb") as f:
+                head = f.read(codec.MAX_HEADER_SIZE)
+        except OSError:
+            return None
+        if codec.read_format_version(head) != codec.FORMAT_VERSION:
+            return None  # another format (or not ours): leave it alone
+        try:
+            header = codec.parse_header(head)
+        except codec.CorruptEntry:
+            self._drop_corrupt(entry.name)
+            return None
+        if filename_for(header.key) != entry.name:
+            return None
+        if self.key_filter is not None and not self.key_filter(header.key):
+            return None  # e.g. another model's chunks
+        if st.st_size != header.header_len + header.payload_len:
+            self._drop_corrupt(entry.name)
+            return None
+        return (st.st_mtime, header.key, entry.name, st.st_size)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("cannot remove %s: %s", name, exc)
+
+    def _drop_corrupt(self, name: str) -> None:
+        self.counters["corrupt"] += 1
+        self._unlink(name)
+
+    def _evict_to(self, limit: int) -> bool:
+        """Evicts LRU files until used bytes <= limit; False if that is impossible."""
+        while self._used > limit:
+            with self._lock:
+                if not self._index:
+                    return False
+                key, (name, size) = self._index.popitem(last=False)
+                self._used -= size
+            self._unlink(name)
+            self.counters["evictions"] += 1
+        return True
+
+    def _forget(self, key: str) -> Optional[str]:
+        with self._lock:
+            item = self._index.pop(key, None)
+            if item is None:
+                return None
+            self._used -= item[1]
+            return item[0]
+
+    # ---- StorageBackend -----------------------------------------------------------------------
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        with self._lock:
+            item = self._index.get(key)
+            if item is not None:
+                self._index.move_to_end(key)
+        if item is None:
+            self.counters["misses"] += 1
+            return None
+        cfut: Future = self._read_pool.submit(self._read_file, item[0], key, alloc)
+        afut = asyncio.wrap_future(cfut)
+        try:
+            obj = await asyncio.shield(afut)
+        except asyncio.CancelledError:
+            # The read thread may still be filling the object: free it only once the thread is done.
+            if not cfut.cancel():
+                cfut.add_done_callback(_release_result)
+            raise
+        except codec.CorruptEntry as exc:
+            logger.warning("corrupt disk chunk %s: %s", item[0], exc)
+            if self._forget(key) is not None:
+                self._drop_corrupt(item[0])
+            return None
+        except FileNotFoundError:
+            self._forget(key)
+            self.counters["misses"] += 1
+            return None
+        except OSError as exc:
+            logger.warning("disk read of %s failed: %s", item[0], exc)
+            self.counters["errors"] += 1
+            return None
+        self.counters["hits" if obj is not None else "alloc_failures"] += 1
+        return obj
+
+    async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
+        # One read per file in parallel on the read pool.
+        return await gather_owned(self.get(key, alloc) for key in keys)
+
+    def _read_file(self, name: str, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+        try:
+            head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
+            header = codec.parse_header(head, key)
+            size = os.fstat(fd).st_size
+            if size != header.header_len + header.payload_len:
+                raise codec.CorruptEntry(f"file has {size} bytes, header says "
+                                         f"{header.header_len + header.payload_len}")
+            obj = alloc(header.shape, header.dtype)
+            if obj is None:
+                return None
+            try:
+                dest = codec.payload_view(obj.tensor)
+                _pread_full(fd, dest, header.header_len)
+                codec.verify_payload(header, dest)
+            except BaseException:
+                obj.ref_down()
+                raise
+            return obj
+        finally:
+            os.close(fd)
+
+    async def put(self, key: str, obj: MemoryObj) -> bool:
+        if self._closed:
+            return False
+        size = codec.header_size(key, obj.tensor.dim(), HEADER_ALIGN) + obj.nbytes
+        with self._lock:
+            if key in self._index or key in self._writing:
+                return True
+            if size > self.max_bytes:
+                self.counters["stores_dropped"] += 1
+                return False
+            self._writing.add(key)
+            self._used += size  # reserved now so that concurrent writes respect the cap
+        try:
+            if not self._evict_to(self.max_bytes):
+                self.counters["stores_dropped"] += 1
+                with self._lock:
+                    self._used -= size
+                return False
+            name = filename_for(key)
+            # The writer thread holds its own reference, so cancelling this coroutine (shutdown) never
+            # frees the bytes while the thread is still writing them.
+            obj.ref_up()
+            cfut = self._write_pool.submit(self._write_file, name, key, obj)
+            cfut.add_done_callback(lambda _: obj.ref_down())
+            ok = await asyncio.wrap_future(cfut)
+            with self._lock:
+                if ok:
+                    self._index[key] = (name, size)
+                else:
+                    self._used -= size
+            self.counters["stores" if ok else "stores_dropped"] += 1
+            return ok
+        finally:
+            with self._lock:
+                self._writing.discard(key)
+
+    def _write_file(self, name: str, key: str, obj: MemoryObj) -> bool:
+        # The header (with the payload checksum) is computed here, on the writer thread, so that a
+        # batch of puts does not checksum serially on the event loop.
+        header = codec.encode_header(key, obj.tensor, align=HEADER_ALIGN)
+        tmp = os.path.join(self.path, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            logger.warning("cannot create a chunk file in %s: %s", self.path, exc)
+            return False
+        try:
+            try:
+                _write_full(fd, [header, codec.payload_view(obj.tensor)])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(self.path, name))
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.counters["disk_full"] += 1
+            else:
+                logger.warning("writing chunk file %s failed: %s", name, exc)
+                self.counters["errors"] += 1
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+
+    async def remove(self, key: str) -> None:
+        name = self._forget(key)
+        if name is not None:
+            self._unlink(name)
+
+    async def clear(self) -> None:
+        with self._lock:
+            items = list(self._index.values())
+            self._index.clear()
+            self._used -= sum(size for _, size in items)
+        for name, _ in items:
+            self._unlink(name)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._read_pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        out["entries"] = len(self._index)
+        out["used_bytes"] = self._used
+        out["capacity_bytes"] = self.max_bytes
+        return out
+
+
+def _release_result(cfut: Future) -> None:
+    if cfut.cancelled() or cfut.exception() is not None:
+        return
+    obj = cfut.result()
+    if obj is not None:
+        obj.ref_down()
+
+
+def _pread_full(fd: int, dest: memoryview, offset: int) -> None:
+    done, total = 0, len(dest)
+    while done < total:
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n == 0:
+            raise codec.CorruptEntry(f"file truncated: {done} of {total} payload bytes")
+        done += n
+
+
+def _write_full(fd: int, buffers: list) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

@@ -1,0 +1,455 @@
+"""StorageManager: the tiers L1 host memory -> L2 local disk -> L3 Redis behind one synchronous facade.
+
+The engine calls the facade from its own thread; the lower tiers run on an asyncio loop that the manager
+owns on a daemon thread. Every wait is bounded, and a dead, slow or corrupt tier is a miss, never an
+exception to the caller:
+
+- `put(key, obj)` indexes `obj` in L1 at once (L1 takes its own reference; the caller keeps and later
+  drops its own) and queues one write-through to the lower tiers. The queue is bounded
+  (`write_queue_depth`): when it is full the store is dropped and counted; inference never waits.
+- `contains_prefix(keys)` / `get(keys)` answer the longest run of consecutive hits from the first key,
+  searching L1, then each lower tier in one batched existence check for the keys still unknown. `get`
+  returns that prefix as MemoryObjs with a reference for the caller; lower-tier hits are read into
+  memory from the L1 allocator and promoted into L1.
+- `prefetch(keys)` does the same reads in the background and only promotes; its handle's `cancel()`
+  stops it, and every object already read is either in L1 or released (nothing leaks).
+- `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
+  and joins its thread and the backends' thread pools.
+
+Config (an `LMCacheConfig` or anything with the same attributes): `local_cpu`, `max_local_cpu_size` (GB),
+`local_disk`, `max_local_disk_size` (GB), `remote_url`, `blocking_timeout_secs` (get), `lookup_timeout_ms`
+(contains_prefix), and in `extra_config`: `remote_key_prefix` ("lmcache_vllm:"), `remote_ttl_secs`
+(None), `remote_timeout_secs` (2.0), `remote_max_connections` (16), `remote_read_groups` (1),
+`remote_breaker_max_secs` (30), `write_queue_depth` (64), `write_workers` (4), `disk_io_threads` (8),
+`disk_fsync` (False), `close_drain_secs` (5.0), `staging_buffer_size` (GB of arena when local_cpu
+is false and max_local_cpu_size is 0; default 1.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from lmcache_vllm.memory import HostAllocator, MemoryObj
+from lmcache_vllm.storage.base import StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.local_cpu import LocalCPUBackend
+from lmcache_vllm.storage.local_disk import LocalDiskBackend
+from lmcache_vllm.storage.redis_backend import RedisBackend
+
+logger = logging.getLogger(__name__)
+
+GB = 1 << 30
+KeyLike = Union[str, Any]  # a key string or a CacheKey (anything with to_str())
+
+
+def _key_str(key: KeyLike) -> str:
+    return key if isinstance(key, str) else key.to_str()
+
+
+class _Handoff:
+    """Passes MemoryObjs from the loop to a caller that may give up waiting; abandoned ones are freed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._result: Optional[list] = None
+        self._abandoned = False
+
+    def deliver(self, objs: list) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._result = objs
+                self._ready.set()
+                return
+        release_objs(objs)
+
+    def take(self, timeout: float) -> Optional[list]:
+        self._ready.wait(timeout)
+        with self._lock:
+            if self._result is None:
+                self._abandoned = True
+                return None
+            result, self._result = self._result, None
+            return result
+
+
+class PrefetchHandle:
+    """A background read of lower-tier chunks into L1."""
+
+    def __init__(self, future: Optional[concurrent.futures.Future], ready: int = 0):
+        self._future = future
+        self._ready = ready
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Number of keys (from the first) in L1 once the prefetch is done; 0 on timeout or cancel."""
+        if self._future is None:
+            return self._ready
+        try:
+            return self._ready + self._future.result(timeout)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            return 0
+        except Exception:  # a failed prefetch is just a smaller cache hit later
+            return self._ready
+
+    def cancel(self) -> bool:
+        return self._future.cancel() if self._future is not None else False
+
+
+class StorageManager:
+    def __init__(self, config, *, allocator: Optional[HostAllocator] = None,
+                 key_filter: Optional[Callable[[str], bool]] = None):
+        extra = dict(getattr(config, "extra_config", None) or {})
+        self.get_timeout = float(getattr(config, "blocking_timeout_secs", None) or 10.0)
+        self.lookup_timeout = float(getattr(config, "lookup_timeout_ms", None) or 2000.0) / 1000.0
+        self.close_drain_secs = float(extra.get("close_drain_secs", 5.0))
+        self._queue_depth = int(extra.get("write_queue_depth", 64))
+        self._num_writers = int(extra.get("write_workers", 4))
+        if allocator is None:
+            size_gb = float(getattr(config, "max_local_cpu_size", 5.0))
+            if not getattr(config, "local_cpu", True) and size_gb <= 0:
+                # No L1 cache, but transfers still need an arena to stage chunks in.
+                size_gb = float(extra.get("staging_buffer_size", 1.0))
+            allocator = HostAllocator(int(size_gb * GB))
+        self.allocator = allocator
+        self.l1 = LocalCPUBackend(allocator, keep_entries=bool(getattr(config, "local_cpu", True)))
+        self.lower: list[StorageBackend] = []
+        try:
+            local_disk = getattr(config, "local_disk", None)
+            if local_disk:
+                self.lower.append(LocalDiskBackend(
+                    local_disk, int(float(getattr(config, "max_local_disk_size", 0.0)) * GB),
+                    io_threads=int(extra.get("disk_io_threads", 8)),
+                    fsync=bool(extra.get("disk_fsync", False)), key_filter=key_filter))
+            remote_url = getattr(config, "remote_url", None)
+            if remote_url:
+                self.lower.append(RedisBackend(
+                    remote_url, prefix=str(extra.get("remote_key_prefix", "lmcache_vllm:")),
+                    ttl_secs=extra.get("remote_ttl_secs"),
+                    timeout_secs=float(extra.get("remote_timeout_secs", 2.0)),
+                    max_connections=int(extra.get("remote_max_connections", 16)),
+                    read_groups=int(extra.get("remote_read_groups", 1)),
+                    breaker_max_secs=float(extra.get("remote_breaker_max_secs", 30.0))))
+        except BaseException:
+            self._close_sync_backends()
+            raise
+        self._counters: Counter = Counter()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="lmcache-storage-loop", daemon=True)
+        self._thread.start()
+        self._queue: asyncio.Queue = asyncio.run_coroutine_threadsafe(
+            self._make_queue(), self._loop).result()
+        self._writers: list[asyncio.Task] = []
+        if self.lower:
+            for _ in range(max(1, self._num_writers)):
+                self._loop.call_soon_threadsafe(self._start_writer)
+
+    # ---- loop thread ------------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _make_queue(self) -> asyncio.Queue:
+        return asyncio.Queue()
+
+    def _start_writer(self) -> None:
+        self._writers.append(self._loop.create_task(self._writer()))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    async def _writer(self) -> None:
+        while True:
+            key, obj = await self._queue.get()
+            try:
+                results = await asyncio.gather(*(tier.put(key, obj) for tier in self.lower),
+                                               return_exceptions=True)
+                for tier, result in zip(self.lower, results):
+                    if isinstance(result, BaseException):
+                        logger.warning("%s put failed: %r", tier.name, result)
+                        self._count("errors")
+                    elif not result:
+                        self._count(f"{tier.name}_stores_dropped")
+            finally:
+                obj.ref_down()
+                with self._lock:
+                    self._pending -= 1
+                self._queue.task_done()
+
+    async def _locate(self, keys: Sequence[str]) -> list[Optional[StorageBackend]]:
+        """For each key the first lower tier holding it (None: nowhere); one batch per tier."""
+        where: list[Optional[StorageBackend]] = [None] * len(keys)
+        unknown = list(range(len(keys)))
+        for tier in self.lower:
+            if not unknown:
+                break
+            try:
+                found = await tier.contains([keys[i] for i in unknown])
+            except Exception as exc:
+                logger.warning("%s contains failed: %r", tier.name, exc)
+                self._count("errors")
+                continue
+            unknown_next = []
+            for i, hit in zip(unknown, found):
+                if hit:
+                    where[i] = tier
+                else:
+                    unknown_next.append(i)
+            unknown = unknown_next
+        return where
+
+    async def _prefix_in_lower(self, keys: Sequence[str]) -> int:
+        where = await self._locate(keys)
+        return next((i for i, tier in enumerate(where) if tier is None), len(where))
+
+    async def _fetch(self, keys: Sequence[str]) -> list[MemoryObj]:
+        """Reads the longest lower-tier prefix of `keys` into L1 memory; promotes; refs for the caller."""
+        where = await self._locate(keys)
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        by_tier: dict[int, list[int]] = {}
+        for i in range(n):
+            by_tier.setdefault(self.lower.index(where[i]), []).append(i)
+        alloc = self.l1.try_allocate
+
+        async def read(tier: StorageBackend, idx: list[int]):
+            try:
+                return await tier.get_many([keys[i] for i in idx], alloc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("%s get failed: %r", tier.name, exc)
+                self._count("errors")
+                return [None] * len(idx)
+
+        tiers = list(by_tier)
+        results = await gather_owned(read(self.lower[t], by_tier[t]) for t in tiers)
+        objs: list[Optional[MemoryObj]] = [None] * n
+        for t, got in zip(tiers, results):
+            for i, obj in zip(by_tier[t], got):
+                objs[i] = obj
+        keep = next((i for i, obj in enumerate(objs) if obj is None), n)
+        release_objs(objs[keep:])
+        for i in range(keep):
+            tier = where[i]
+            self._count(f"{tier.name}_hits")
+            self.l1.put_sync(keys[i], objs[i])
+        for tier in self.lower:  # keys each tier was asked about and could not serve
+            asked = sum(1 for i in range(len(keys)) if where[i] is None or
+                        self.lower.index(where[i]) > self.lower.index(tier))
+            if asked:
+                self._count(f"{tier.name}_misses", asked)
+        return objs[:keep]
+
+    async def _fetch_into(self, keys: Sequence[str], handoff: _Handoff) -> None:
+        try:
+            objs = await self._fetch(keys)
+        except asyncio.CancelledError:
+            handoff.deliver([])
+            raise
+        except Exception:
+            logger.exception("storage read failed")
+            self._count("errors")
+            objs = []
+        handoff.deliver(objs)
+
+    async def _prefetch(self, keys: Sequence[str]) -> int:
+        objs = await self._fetch(keys)
+        release_objs(objs)  # they stay in L1, owned by its index
+        return len(objs)
+
+    # ---- facade -----------------------------------------------------------------------------------
+    def allocate(self, shape, dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
+        """A MemoryObj from the L1 arena (evicting LRU entries); raises memory.AllocationError when full."""
+        return self.l1.allocate(shape, dtype, timeout=timeout)
+
+    def _l1_prefix(self, keys: Sequence[str]) -> int:
+        return next((i for i, k in enumerate(keys) if not self.l1.contains_sync(k)), len(keys))
+
+    def put(self, key: KeyLike, obj: MemoryObj) -> None:
+        """Stores `obj` under `key`: L1 now, lower tiers through the bounded write queue."""
+        if self._closed:
+            return
+        k = _key_str(key)
+        known = self.l1.keep_entries and self.l1.contains_sync(k)
+        self.l1.put_sync(k, obj)
+        if not self.lower or known:
+            return  # already written through when it was first stored (or read from below)
+        with self._lock:
+            if self._closed:
+                return
+            if self._pending >= self._queue_depth:
+                self._counters["stores_dropped"] += 1
+                return
+            self._pending += 1
+            obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
+
+    def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether each key is in some tier (L1 first, then one batch per lower tier); a tier that does
+        not answer within the lookup timeout counts as not having them."""
+        ks = [_key_str(k) for k in keys]
+        found = [self.l1.contains_sync(k) for k in ks]
+        missing = [i for i, hit in enumerate(found) if not hit]
+        if not missing or not self.lower or self._closed:
+            return found
+        fut = asyncio.run_coroutine_threadsafe(self._locate([ks[i] for i in missing]), self._loop)
+        try:
+            where = fut.result(self.lookup_timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            self._count("lookup_timeouts")
+            return found
+        except Exception:
+            logger.exception("storage lookup failed")
+            self._count("errors")
+            return found
+        for i, tier in zip(missing, where):
+            found[i] = tier is not None
+        return found
+
+    def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
+        ks = [_key_str(k) for k in keys]
+        n = self._l1_prefix(ks)
+        if n == len(ks) or not self.lower or self._closed:
+            return n
+        fut = asyncio.run_coroutine_threadsafe(self._prefix_in_lower(ks[n:]), self._loop)
+        try:
+            return n + fut.result(self.lookup_timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            self._count("lookup_timeouts")
+        except Exception:
+            logger.exception("storage lookup failed")
+            self._count("errors")
+        return n
+
+    def get(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
+        """The longest prefix of `keys` found in any tier; each object carries a ref for the caller."""
+        ks = [_key_str(k) for k in keys]
+        out: list[MemoryObj] = []
+        for k in ks:
+            obj = self.l1.get_sync(k)
+            if obj is None:
+                break
+            out.append(obj)
+        self._count("local_cpu_hits", len(out))
+        if len(out) == len(ks):
+            return out
+        self._count("local_cpu_misses", len(ks) - len(out))
+        if not self.lower or self._closed:
+            return out
+        handoff = _Handoff()
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff), self._loop)
+        lower = handoff.take(self.get_timeout)
+        if lower is None:
+            fut.cancel()
+            self._count("get_timeouts")
+            return out
+        return out + lower
+
+    def prefetch(self, keys: Sequence[KeyLike]) -> PrefetchHandle:
+        ks = [_key_str(k) for k in keys]
+        n = self._l1_prefix(ks)
+        if n == len(ks) or not self.lower or not self.l1.keep_entries or self._closed:
+            return PrefetchHandle(None, n)
+        self._count("prefetches")
+        return PrefetchHandle(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:]), self._loop), n)
+
+    def clear(self) -> None:
+        self.l1.clear_sync()
+        if self._closed or not self.lower:
+            return
+        fut = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True),
+                             self.get_timeout), self._loop)
+        try:
+            fut.result(self.get_timeout + 1.0)
+        except Exception:
+            logger.warning("clearing lower tiers did not finish", exc_info=True)
+            fut.cancel()
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._counters)
+            out["write_queue_pending"] = self._pending
+        for tier in [self.l1, *self.lower]:
+            for name, value in tier.stats().items():
+                out[f"{tier.name}.{name}"] = value
+        out["corrupt_entries"] = sum(t.counters.get("corrupt", 0) for t in self.lower)
+        out["errors"] = out.get("errors", 0) + sum(t.counters.get("errors", 0) for t in self.lower)
+        out.setdefault("stores_dropped", 0)
+        return out
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Waits until queued write-throughs are done (tests, benchmarks, shutdown); False on timeout."""
+        if self._closed or not self.lower:
+            return True
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._queue.join(), timeout), self._loop)
+        try:
+            fut.result(timeout + 1.0)
+            return True
+        except Exception:
+            fut.cancel()
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(
+                self.close_drain_secs + 10.0)
+        except Exception:
+            logger.warning("storage shutdown did not finish cleanly", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self.l1.clear_sync()
+
+    async def _shutdown(self) -> None:
+        try:
+            await asyncio.wait_for(self._queue.join(), self.close_drain_secs)
+        except asyncio.TimeoutError:
+            logger.warning("dropping %d queued writes at close", self._queue.qsize())
+        for task in self._writers:
+            task.cancel()
+        await asyncio.gather(*self._writers, return_exceptions=True)
+        while not self._queue.empty():
+            _, obj = self._queue.get_nowait()
+            obj.ref_down()
+            self._count("stores_dropped")
+        # Whatever else is still running on the loop (prefetches, abandoned reads) is cancelled.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        for tier in self.lower:
+            try:
+                await asyncio.wait_for(tier.close(), 10.0)
+            except Exception:
+                logger.warning("closing %s failed", tier.name, exc_info=True)
+
+    def _close_sync_backends(self) -> None:
+        for tier in self.lower:
+            if isinstance(tier, LocalDiskBackend):
+                asyncio.run(tier.close())
+
+    def __enter__(self) -> "StorageManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,213 @@
+"""L3: chunks in Redis (`redis.asyncio`, hiredis parser), shared between processes and hosts.
+
+- URL: `redis://[user:password@]host:port/db`, `rediss://...` (TLS) or `unix:///path.sock?db=N`.
+- One Redis key per chunk: `<prefix><key string>`; value = codec bytes (header + payload) written by a
+  single SET (atomic: readers see the old value or the whole new one), with an optional TTL.
+- Batched reads are one MGET per read group; existence checks are one pipeline of EXISTS. Large batches
+  can be split over several connections (`read_groups`) so that parsing overlaps transfer.
+- Every call has a timeout. A connection error or timeout opens a circuit breaker: calls return misses
+  at once (puts are dropped and counted) until a retry time that doubles after each failed retry, up to
+  `breaker_max_secs`. The first call after that time is the probe; success closes the breaker.
+- Bytes that do not decode as a chunk for the key asked for are a miss; the Redis key is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional, Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.base import AllocFn, StorageBackend, release_objs
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT = object()
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+class RedisBackend(StorageBackend):
+    name = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "lmcache_vllm:", ttl_secs: Optional[float] = None,
+                 timeout_secs: float = 2.0, max_connections: int = 16, read_groups: int = 1,
+                 breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0):
+        super().__init__()
+        self.url = url
+        self.prefix = prefix
+        self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
+        self.timeout = float(timeout_secs)
+        self.read_groups = max(1, int(read_groups))
+        self.breaker_base = float(breaker_base_secs)
+        self.breaker_max = float(breaker_max_secs)
+        self._failures = 0
+        self._retry_at: Optional[float] = None  # breaker open until then (None: closed)
+        self._probing = False
+        # Connections are made lazily on the loop that first uses the client (the manager's loop).
+        # A blocking pool: more concurrent calls than connections wait for one (bounded by the call
+        # timeout) instead of failing with "too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=self.timeout, socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0))
+        self._client = aioredis.Redis(connection_pool=pool)
+
+    # ---- circuit breaker ------------------------------------------------------------------------
+    @property
+    def breaker_open(self) -> bool:
+        return self._retry_at is not None
+
+    def _may_call(self) -> bool:
+        if self._retry_at is None:
+            return True
+        if time.monotonic() >= self._retry_at and not self._probing:
+            self._probing = True
+            return True
+        self.counters["breaker_skips"] += 1
+        return False
+
+    def _succeeded(self) -> None:
+        if self._retry_at is not None:
+            logger.info("redis at %s reachable again", self._client.connection_pool)
+        self._retry_at, self._failures, self._probing = None, 0, False
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        delay = min(self.breaker_max, self.breaker_base * (2 ** self._failures))
+        if self._failures == 0:
+            logger.warning("redis call failed (%s: %s); treating redis as down for %.1fs",
+                           type(exc).__name__, exc, delay)
+        self._failures += 1
+        self._retry_at = time.monotonic() + delay
+        self._probing = False
+
+    async def _call(self, make_coro, default=None):
+        """Runs `make_coro()` under the timeout and the breaker; returns `default` on any failure."""
+        if not self._may_call():
+            return default
+        try:
+            result = await asyncio.wait_for(make_coro(), self.timeout)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed(exc)
+            try:
+                await self._client.connection_pool.disconnect()
+            except Exception:  # dropping dead sockets is best effort
+                pass
+            return default
+        self._succeeded()
+        return result
+
+    # ---- StorageBackend ---------------------------------------------------------------------------
+    def _rkey(self, key: str) -> str:
+        return self.prefix + key
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+
+        async def run():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(self._rkey(key))
+                return await pipe.execute()
+
+        found = await self._call(run)
+        if found is None:
+            return [False] * len(keys)
+        return [bool(n) for n in found]
+
+    async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        return (await self.get_many([key], alloc))[0]
+
+    async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
+        if not keys:
+            return []
+        groups = min(self.read_groups, len(keys))
+        step = -(-len(keys) // groups)
+        spans = [(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
+        out: list[Optional[MemoryObj]] = [None] * len(keys)
+        corrupt: list[str] = []
+
+        async def fetch(lo: int, hi: int) -> None:
+            # Each group is decoded as soon as its reply is in, while other groups are in flight.
+            values = await self._client.mget([self._rkey(k) for k in keys[lo:hi]])
+            for i, value in zip(range(lo, hi), values):
+                out[i] = self._decode(keys[i], value, alloc, corrupt)
+
+        try:
+            ok = await self._call(lambda: asyncio.gather(*(fetch(lo, hi) for lo, hi in spans)),
+                                  default=_DEFAULT)
+        except BaseException:
+            release_objs(out)
+            raise
+        if ok is _DEFAULT:  # failed or breaker open: everything is a miss
+            release_objs(out)
+            return [None] * len(keys)
+        for key in corrupt:
+            await self._call(lambda: self._client.delete(self._rkey(key)))
+        return out
+
+    def _decode(self, key: str, value: Optional[bytes], alloc: AllocFn,
+                corrupt: list[str]) -> Optional[MemoryObj]:
+        if value is None:
+            self.counters["misses"] += 1
+            return None
+        try:
+            obj = codec.decode(value, key, alloc)
+        except codec.CorruptEntry as exc:
+            logger.warning("corrupt redis value under %r: %s; deleting it", self._rkey(key), exc)
+            self.counters["corrupt"] += 1
+            corrupt.append(key)
+            return None
+        self.counters["hits" if obj is not None else "alloc_failures"] += 1
+        return obj
+
+    async def put(self, key: str, obj: MemoryObj) -> bool:
+        value = memoryview(codec.encode(key, obj.tensor))
+        ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
+                              default=False)
+        self.counters["stores" if ok else "stores_dropped"] += 1
+        return bool(ok)
+
+    async def put_bytes(self, key: str, value: bytes) -> bool:
+        """Stores raw bytes under a key (tests and tools: e.g. to plant a corrupt value)."""
+        return bool(await self._call(lambda: self._client.set(self._rkey(key), value), default=False))
+
+    async def remove(self, key: str) -> None:
+        await self._call(lambda: self._client.delete(self._rkey(key)))
+
+    async def clear(self) -> None:
+        async def run():
+            batch = []
+            async for rkey in self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+                batch.append(rkey)
+                if len(batch) >= 1000:
+                    await self._client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                await self._client.unlink(*batch)
+        await self._call(run)
+
+    async def ping(self) -> bool:
+        return bool(await self._call(self._client.ping, default=False))
+
+    async def close(self) -> None:
+        try:
+            await self._client.aclose()
+            await self._client.connection_pool.disconnect()
+        except Exception:  # closing sockets of a dead server must not fail shutdown
+            logger.debug("redis close", exc_info=True)
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        out["breaker_open"] = int(self.breaker_open)
+        return out

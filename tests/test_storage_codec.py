@@ -1,0 +1,92 @@
+"""Tests for lmcache_vllm.storage.codec: round trips per dtype, and every kind of damage is CorruptEntry."""
+
+import struct
+
+import pytest
+import torch
+
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.codec import CorruptEntry
+
+KEY = "model%2Fx@1@0@bfloat16@v1@00ff"
+
+
+def _tensor(dtype=torch.bfloat16, shape=(2, 2, 8, 32)):
+    return (torch.arange(int(torch.tensor(shape).prod())) % 251).reshape(shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8,
+                                   torch.float8_e4m3fn])
+def test_round_trip_into_allocator_memory(dtype):
+    alloc = HostAllocator(1 << 20)
+    src = _tensor(dtype)
+    buf = codec.encode(KEY, src)
+    obj = codec.decode(bytes(buf), KEY, lambda shape, dt: alloc.allocate(shape, dt))
+    assert obj.tensor.dtype == dtype and tuple(obj.tensor.shape) == tuple(src.shape)
+    assert torch.equal(obj.tensor.view(torch.uint8), src.view(torch.uint8))
+    obj.ref_down()
+    assert alloc.used_bytes == 0
+
+
+def test_header_padding_and_parse():
+    src = _tensor()
+    header = codec.encode_header(KEY, src, align=4096)
+    assert len(header) == 4096
+    parsed = codec.parse_header(header, KEY)
+    assert parsed.header_len == 4096 and parsed.payload_len == src.numel() * 2
+    assert parsed.shape == tuple(src.shape) and parsed.dtype == torch.bfloat16
+
+
+def test_no_pickle_in_format():
+    buf = bytes(codec.encode(KEY, _tensor()))
+    assert buf.startswith(codec.MAGIC) and b"torch" not in buf[:200]
+
+
+def test_wrong_key_is_corrupt():
+    alloc = HostAllocator(1 << 20)
+    with pytest.raises(CorruptEntry, match="expected"):
+        codec.decode(bytes(codec.encode(KEY, _tensor())), KEY + "0",
+                     lambda shape, dt: alloc.allocate(shape, dt))
+    assert alloc.used_bytes == 0
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "header_byte", "shape", "payload_byte",
+                                    "truncated", "extra", "empty", "garbage"])
+def test_damage_is_detected(damage):
+    buf = bytearray(codec.encode(KEY, _tensor()))
+    hlen = codec.parse_header(buf).header_len
+    if damage == "magic":
+        buf[0:4] = b"XXXX"
+    elif damage == "version":
+        struct.pack_into("<H", buf, 4, codec.FORMAT_VERSION + 1)
+    elif damage == "header_byte":
+        buf[10] ^= 0x01  # key length: the header checksum catches it
+    elif damage == "shape":
+        buf[hlen - 1] ^= 0x40
+    elif damage == "payload_byte":
+        buf[hlen + 100] ^= 0x01
+    elif damage == "truncated":
+        del buf[-1:]
+    elif damage == "extra":
+        buf += b"\0"
+    elif damage == "empty":
+        buf = bytearray()
+    elif damage == "garbage":
+        buf = bytearray(b"hello world, definitely not a chunk" * 10)
+    alloc = HostAllocator(1 << 20)
+    with pytest.raises(CorruptEntry):
+        codec.decode(bytes(buf), KEY, lambda shape, dt: alloc.allocate(shape, dt))
+    assert alloc.used_bytes == 0  # the object allocated for a bad payload was released
+
+
+def test_read_format_version():
+    assert codec.read_format_version(bytes(codec.encode(KEY, _tensor()))) == codec.FORMAT_VERSION
+    assert codec.read_format_version(b"nope") is None
+
+
+def test_unknown_dtype_and_long_key_refused():
+    with pytest.raises(ValueError):
+        codec.encode_header(KEY, torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError):
+        codec.encode_header("k" * (codec.MAX_KEY_BYTES + 1), _tensor())

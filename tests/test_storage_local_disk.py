@@ -1,0 +1,195 @@
+"""Tests for lmcache_vllm.storage.local_disk with real files: round trips, permissions, re-index after a
+restart, corrupt/truncated files, concurrency, size-capped LRU eviction and a full filesystem."""
+
+import asyncio
+import errno
+import os
+import stat
+import subprocess
+
+import pytest
+import torch
+
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.storage import codec, local_disk
+from lmcache_vllm.storage.local_disk import LocalDiskBackend, filename_for
+
+CHUNK = (2, 2, 16, 64)  # bf16: 8 KiB payload, 12 KiB on disk with the 4 KiB header
+FILE_BYTES = 4096 + 2 * 2 * 16 * 64 * 2
+
+
+def key(i: int, model: str = "m") -> str:
+    return f"{model}@1@0@bfloat16@v1@{i:064x}"
+
+
+@pytest.fixture
+def alloc():
+    allocator = HostAllocator(8 << 20)
+    yield lambda shape, dtype: allocator.allocate(shape, dtype)
+    assert allocator.used_bytes == 0, "a test leaked MemoryObjs"
+
+
+def obj_of(tensor):
+    allocator = HostAllocator(tensor.numel() * tensor.element_size() + 64)
+    obj = allocator.allocate(tensor.shape, tensor.dtype)
+    obj.tensor.copy_(tensor)
+    return obj
+
+
+async def test_round_trip_permissions_and_names(tmp_path, alloc, make_chunk):
+    root = tmp_path / "cache"
+    disk = LocalDiskBackend(f"file://{root}", 1 << 20)
+    src = make_chunk(1, CHUNK)
+    assert await disk.put(key(1), obj_of(src))
+    assert await disk.contains([key(1), key(2)]) == [True, False]
+    got = await disk.get(key(1), alloc)
+    assert torch.equal(got.tensor, src)
+    got.ref_down()
+    assert await disk.get(key(2), alloc) is None
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    (name,) = os.listdir(root)
+    assert name == filename_for(key(1)) and "/" not in name
+    assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
+    assert os.path.getsize(root / name) == FILE_BYTES
+    await disk.close()
+
+
+def test_filenames_are_safe_and_bounded():
+    assert filename_for("a/b:c@d") == "a%2Fb%3Ac@d.lmc"
+    long = filename_for("x" * 500)
+    assert long.startswith("h-") and len(long) < 100
+
+
+async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    for i in range(3):
+        assert await disk.put(key(i), obj_of(make_chunk(i, CHUNK)))
+    assert await disk.put(key(9, model="other"), obj_of(make_chunk(9, CHUNK)))
+    await disk.close()
+    # a file of a future format version and an unrelated file: both must survive the restart
+    future = bytearray(codec.encode_header(key(7), make_chunk(7, CHUNK), align=4096))
+    future[4:6] = (codec.FORMAT_VERSION + 1).to_bytes(2, "little")
+    (tmp_path / filename_for(key(7))).write_bytes(bytes(future))
+    (tmp_path / "notes.txt").write_text("keep me")
+
+    disk2 = LocalDiskBackend(str(tmp_path), 1 << 20, key_filter=lambda k: k.startswith("m@"))
+    assert await disk2.contains([key(0), key(1), key(2), key(9, "other"), key(7)]) == \
+        [True, True, True, False, False]
+    got = await disk2.get(key(2), alloc)
+    assert torch.equal(got.tensor, make_chunk(2, CHUNK))
+    got.ref_down()
+    assert disk2.used_bytes == 3 * FILE_BYTES
+    await disk2.clear()
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [filename_for(key(9, "other")), filename_for(key(7)), "notes.txt"])
+    await disk2.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+async def test_corrupt_file_is_a_miss_and_removed(tmp_path, alloc, make_chunk, damage):
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
+    path = tmp_path / filename_for(key(1))
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[5000] ^= 0xFF
+    else:
+        data = data[:6000]
+    path.write_bytes(bytes(data))
+    assert await disk.get(key(1), alloc) is None
+    assert not path.exists() and disk.counters["corrupt"] == 1
+    assert await disk.contains([key(1)]) == [False]
+    await disk.close()
+
+
+async def test_truncated_file_is_removed_at_startup(tmp_path, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
+    await disk.close()
+    path = tmp_path / filename_for(key(1))
+    path.write_bytes(path.read_bytes()[:5000])
+    disk2 = LocalDiskBackend(str(tmp_path), 1 << 20)
+    assert await disk2.contains([key(1)]) == [False]
+    assert not path.exists() and disk2.counters["corrupt"] == 1
+    await disk2.close()
+
+
+async def test_concurrent_stores_and_reads(tmp_path, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path), 4 << 20, io_threads=4, write_threads=2)
+    chunks = {i: make_chunk(i, CHUNK) for i in range(24)}
+    results = await asyncio.gather(*(disk.put(key(i), obj_of(t)) for i, t in chunks.items()),
+                                   *(disk.put(key(i), obj_of(t)) for i, t in chunks.items()))
+    assert all(results)
+    assert len(os.listdir(tmp_path)) == 24  # duplicates were not written twice
+    for _ in range(2):
+        got = await disk.get_many([key(i) for i in chunks], alloc)
+        for i, obj in zip(chunks, got):
+            assert torch.equal(obj.tensor, chunks[i])
+            obj.ref_down()
+    await disk.close()
+
+
+async def test_size_cap_evicts_least_recently_used(tmp_path, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path), 3 * FILE_BYTES)
+    for i in range(3):
+        assert await disk.put(key(i), obj_of(make_chunk(i, CHUNK)))
+    (await disk.get(key(0), alloc)).ref_down()  # 0 becomes most recent; 1 is now the oldest
+    assert await disk.put(key(3), obj_of(make_chunk(3, CHUNK)))
+    assert await disk.contains([key(i) for i in range(4)]) == [True, False, True, True]
+    assert len(os.listdir(tmp_path)) == 3 and disk.used_bytes == 3 * FILE_BYTES
+    big = obj_of(torch.zeros(4 * FILE_BYTES, dtype=torch.uint8))
+    assert not await disk.put(key(99), big)  # larger than the whole cap: dropped, nothing evicted
+    assert disk.counters["stores_dropped"] == 1 and len(os.listdir(tmp_path)) == 3
+    await disk.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path, monkeypatch):
+    """A 64 KiB tmpfs when this process may mount one (root, as in CI); otherwise ENOSPC is injected."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        real_writev = os.writev
+        written = {"bytes": 0}
+
+        def writev_until_full(fd, buffers):
+            n = real_writev(fd, buffers)
+            written["bytes"] += n
+            if written["bytes"] > 64 * 1024:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return n
+        monkeypatch.setattr(local_disk.os, "writev", writev_until_full)
+    yield mnt
+    if mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_full_disk_drops_stores_without_crashing(tiny_fs, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tiny_fs / "cache"), 1 << 30)  # the cap is not what stops it
+    results = [await disk.put(key(i), obj_of(make_chunk(i, CHUNK))) for i in range(10)]
+    assert results[0] and not all(results)
+    assert disk.counters["disk_full"] >= 1 and disk.counters["stores_dropped"] >= 1
+    assert not [n for n in os.listdir(tiny_fs / "cache") if n.startswith(".tmp-")]
+    stored = [i for i, ok in enumerate(results) if ok]
+    got = await disk.get_many([key(i) for i in stored], alloc)
+    for i, obj in zip(stored, got):
+        assert torch.equal(obj.tensor, make_chunk(i, CHUNK))
+        obj.ref_down()
+    await disk.close()
+
+
+async def test_cancelled_read_frees_its_memory(tmp_path, make_chunk):
+    allocator = HostAllocator(8 << 20)
+    disk = LocalDiskBackend(str(tmp_path), 8 << 20)
+    big = make_chunk(5, (4, 2, 256, 512))  # 2 MiB
+    assert await disk.put(key(5), obj_of(big))
+    for _ in range(5):
+        task = asyncio.ensure_future(disk.get(key(5), lambda s, d: allocator.allocate(s, d)))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await disk.close()  # joins the read threads, whose done-callbacks release what they read
+    assert allocator.used_bytes == 0

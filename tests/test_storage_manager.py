@@ -1,0 +1,246 @@
+"""Tests for lmcache_vllm.storage.manager.StorageManager with real tiers (arena, files, redis-server):
+write-through, promotion, prefixes across tiers, dropped stores, faults, prefetch and clean shutdown."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.local_disk import filename_for
+from lmcache_vllm.storage.manager import StorageManager
+
+CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
+MiB = 1 << 20
+
+
+def key(i: int) -> str:
+    return f"m@1@0@bfloat16@v1@{i:064x}"
+
+
+def config(**kw) -> LMCacheConfig:
+    extra = kw.pop("extra", {})
+    kw.setdefault("max_local_cpu_size", 16 * MiB / (1 << 30))
+    return LMCacheConfig(blocking_timeout_secs=kw.pop("blocking_timeout_secs", 5.0),
+                         extra_config={"close_drain_secs": 2.0, **extra}, **kw)
+
+
+def store(mgr: StorageManager, i: int, tensor: torch.Tensor) -> None:
+    obj = mgr.allocate(tensor.shape, tensor.dtype)
+    obj.tensor.copy_(tensor)
+    mgr.put(key(i), obj)
+    obj.ref_down()
+
+
+def check_and_release(objs, expected) -> None:
+    assert len(objs) == len(expected)
+    for obj, t in zip(objs, expected):
+        assert torch.equal(obj.tensor, t)
+        obj.ref_down()
+
+
+def test_l1_round_trip_and_prefix(make_chunk):
+    with StorageManager(config()) as mgr:
+        chunks = [make_chunk(i, CHUNK) for i in range(3)]
+        for i in (0, 1, 2):
+            store(mgr, i, chunks[i])
+        assert mgr.contains([key(0), key(5), key(2)]) == [True, False, True]
+        assert mgr.contains_prefix([key(0), key(1), key(5), key(2)]) == 2
+        check_and_release(mgr.get([key(0), key(1), key(5), key(2)]), chunks[:2])
+        assert mgr.stats()["local_cpu_hits"] == 2
+
+
+def test_write_through_promotion_and_restart(tmp_path, redis_server, redis_prefix, make_chunk):
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01, remote_url=redis_server.url,
+                 extra={"remote_key_prefix": redis_prefix})
+    chunks = [make_chunk(i, CHUNK) for i in range(4)]
+    with StorageManager(cfg) as mgr:
+        for i, t in enumerate(chunks):
+            store(mgr, i, t)
+        assert mgr.flush()
+        assert os.path.exists(tmp_path / filename_for(key(3)))
+        raw = redis.Redis.from_url(redis_server.url)
+        assert raw.exists(*(redis_prefix + key(i) for i in range(4))) == 4
+        mgr.l1.clear_sync()
+        os.unlink(tmp_path / filename_for(key(2)))  # chunk 2 only in redis now
+        mgr.lower[0]._forget(key(2))
+        raw.delete(redis_prefix + key(1))  # chunk 1 only on disk
+        assert mgr.contains_prefix([key(i) for i in range(5)]) == 4
+        check_and_release(mgr.get([key(i) for i in range(5)]), chunks)
+        stats = mgr.stats()
+        assert stats["local_disk_hits"] == 3 and stats["redis_hits"] == 1
+        assert all(mgr.l1.contains_sync(key(i)) for i in range(4))  # promoted
+        check_and_release(mgr.get([key(2)]), chunks[2:3])
+        assert mgr.stats()["redis_hits"] == 1  # served by L1 this time
+        raw.close()
+    # a restarted process (new manager) finds the disk chunks again
+    with StorageManager(config(local_disk=str(tmp_path), max_local_disk_size=0.01)) as mgr2:
+        assert mgr2.contains_prefix([key(0), key(1)]) == 2
+        check_and_release(mgr2.get([key(0), key(1)]), chunks[:2])
+
+
+def test_full_write_queue_drops_stores(redis_server, redis_prefix, make_chunk):
+    cfg = config(remote_url=redis_server.url, extra={
+        "remote_key_prefix": redis_prefix, "write_queue_depth": 2, "write_workers": 1,
+        "remote_timeout_secs": 1.0})
+    with StorageManager(cfg) as mgr:
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # the writer hangs on its first SET
+        try:
+            start = time.monotonic()
+            for i in range(6):
+                store(mgr, i, make_chunk(i, CHUNK))
+            assert time.monotonic() - start < 0.5  # put never waits for the slow tier
+            assert mgr.stats()["stores_dropped"] == 4
+            assert all(mgr.l1.contains_sync(key(i)) for i in range(6))  # L1 has them all
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert mgr.flush()
+
+
+def test_two_processes_share_chunks_through_redis(redis_server, redis_prefix, make_chunk):
+    script = textwrap.dedent(f"""
+        import torch
+        from lmcache_vllm.config import LMCacheConfig
+        from lmcache_vllm.storage.manager import StorageManager
+        cfg = LMCacheConfig(max_local_cpu_size=0.01, remote_url={redis_server.url!r},
+                            extra_config={{"remote_key_prefix": {redis_prefix!r}}})
+        mgr = StorageManager(cfg)
+        for i in range(3):
+            t = torch.randn({CHUNK!r}, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            obj = mgr.allocate(t.shape, t.dtype)
+            obj.tensor.copy_(t)
+            mgr.put("m@1@0@bfloat16@v1@" + format(i, "064x"), obj)
+            obj.ref_down()
+        assert mgr.flush()
+        mgr.close()
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with StorageManager(config(remote_url=redis_server.url,
+                               extra={"remote_key_prefix": redis_prefix})) as mgr:
+        assert mgr.contains_prefix([key(i) for i in range(4)]) == 3
+        check_and_release(mgr.get([key(i) for i in range(3)]), [make_chunk(i, CHUNK) for i in range(3)])
+
+
+def test_redis_killed_mid_run_then_restarted(redis_server, redis_prefix, make_chunk):
+    cfg = config(remote_url=redis_server.url, blocking_timeout_secs=2.0,
+                 extra={"remote_key_prefix": redis_prefix, "remote_timeout_secs": 0.5,
+                        "remote_breaker_max_secs": 0.3})
+    with StorageManager(cfg) as mgr:
+        store(mgr, 0, make_chunk(0, CHUNK))
+        assert mgr.flush()
+        mgr.l1.clear_sync()
+        redis_server.kill()
+        try:
+            start = time.monotonic()
+            assert mgr.contains_prefix([key(0)]) == 0
+            assert mgr.get([key(0)]) == []
+            store(mgr, 1, make_chunk(1, CHUNK))  # no exception; the write-through is dropped
+            assert mgr.flush()
+            assert time.monotonic() - start < 2.0
+            assert mgr.stats()["redis.errors"] >= 1
+        finally:
+            redis_server.restart()
+        mgr.l1.clear_sync()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the breaker closes after its short backoff
+            store(mgr, 2, make_chunk(2, CHUNK))
+            assert mgr.flush()
+            mgr.l1.clear_sync()
+            if mgr.contains_prefix([key(2)]) == 1:
+                break
+            time.sleep(0.1)
+        check_and_release(mgr.get([key(2)]), [make_chunk(2, CHUNK)])
+
+
+def test_frozen_redis_get_returns_within_timeout(redis_server, redis_prefix, make_chunk):
+    cfg = config(remote_url=redis_server.url, blocking_timeout_secs=0.3,
+                 extra={"remote_key_prefix": redis_prefix, "remote_timeout_secs": 5.0})
+    with StorageManager(cfg) as mgr:
+        store(mgr, 0, make_chunk(0, CHUNK))
+        assert mgr.flush()
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert len(mgr.get([key(0), key(1)])) == 1  # L1 answers, the frozen tier times out
+            assert time.monotonic() - start < 1.0
+            assert mgr.stats()["get_timeouts"] == 1
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+def test_corrupt_redis_entry_is_counted_and_removed(redis_server, redis_prefix, make_chunk):
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.set(redis_prefix + key(0), b"garbage" * 100)
+    with StorageManager(config(remote_url=redis_server.url,
+                               extra={"remote_key_prefix": redis_prefix})) as mgr:
+        assert mgr.contains_prefix([key(0)]) == 1  # it exists ...
+        assert mgr.get([key(0)]) == []  # ... but is not a chunk
+        assert mgr.stats()["corrupt_entries"] == 1
+        assert raw.exists(redis_prefix + key(0)) == 0
+    raw.close()
+
+
+def test_prefetch_and_cancel_leak_nothing(tmp_path, make_chunk):
+    big = (4, 2, 256, 512)  # 2 MiB chunks
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.1, max_local_cpu_size=64 * MiB / (1 << 30))
+    chunks = [make_chunk(i, big) for i in range(8)]
+    with StorageManager(cfg) as mgr:
+        for i, t in enumerate(chunks):
+            store(mgr, i, t)
+        assert mgr.flush()
+        mgr.l1.clear_sync()
+        assert mgr.allocator.used_bytes == 0
+        handle = mgr.prefetch([key(i) for i in range(8)])
+        assert handle.wait(10) == 8 and all(mgr.l1.contains_sync(key(i)) for i in range(8))
+        assert mgr.allocator.used_bytes == 8 * chunks[0].numel() * 2  # only L1's entries
+        for _ in range(10):
+            mgr.l1.clear_sync()
+            handle = mgr.prefetch([key(i) for i in range(8)])
+            handle.cancel()
+            # whatever the cancelled prefetch read is either in L1 (owned by it) or freed
+            time.sleep(0.05)
+            assert handle.done()
+            in_l1 = sum(mgr.l1.contains_sync(key(i)) for i in range(8))
+            assert mgr.allocator.used_bytes == in_l1 * chunks[0].numel() * 2
+            assert mgr.allocator.num_live == in_l1
+        check_and_release(mgr.get([key(0)]), chunks[:1])
+
+
+def test_close_leaves_no_threads_or_fds(tmp_path, redis_server, redis_prefix, make_chunk):
+    threads_before = set(threading.enumerate())
+    fds_before = set(os.listdir("/proc/self/fd"))
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01, remote_url=redis_server.url,
+                 extra={"remote_key_prefix": redis_prefix})
+    mgr = StorageManager(cfg)
+    for i in range(4):
+        store(mgr, i, make_chunk(i, CHUNK))
+    assert mgr.flush()
+    mgr.l1.clear_sync()
+    check_and_release(mgr.get([key(i) for i in range(4)]), [make_chunk(i, CHUNK) for i in range(4)])
+    assert len(set(threading.enumerate()) - threads_before) >= 2  # loop thread + disk pool
+    mgr.close()
+    mgr.close()  # idempotent
+    assert set(threading.enumerate()) - threads_before == set()
+    assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+    assert mgr.allocator.used_bytes == 0
+    assert mgr.get([key(0)]) == [] and mgr.contains_prefix([key(0)]) == 0
+
+
+def test_staging_only_l1(tmp_path, make_chunk):
+    cfg = LMCacheConfig(local_cpu=False, max_local_cpu_size=0.0, local_disk=str(tmp_path),
+                        max_local_disk_size=0.01)
+    with StorageManager(cfg) as mgr:
+        store(mgr, 0, make_chunk(0, CHUNK))
+        assert mgr.flush()
+        assert len(mgr.l1) == 0
+        check_and_release(mgr.get([key(0)]), [make_chunk(0, CHUNK)])
+        assert mgr.allocator.used_bytes == 0 and mgr.stats()["local_disk_hits"] == 1

@@ -1,0 +1,143 @@
+"""Tests for lmcache_vllm.storage.redis_backend against a real redis-server: round trips, TTL, garbage
+values, a killed or frozen server (bounded misses, circuit breaker) and recovery after a restart."""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import redis
+import torch
+
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.redis_backend import RedisBackend
+
+pytestmark = pytest.mark.redis
+CHUNK = (2, 2, 16, 64)
+
+
+def key(i: int) -> str:
+    return f"m@1@0@bfloat16@v1@{i:064x}"
+
+
+@pytest.fixture
+def allocator():
+    alloc = HostAllocator(8 << 20)
+    yield alloc
+    assert alloc.used_bytes == 0, "a test leaked MemoryObjs"
+
+
+def alloc_fn(allocator):
+    return lambda shape, dtype: allocator.allocate(shape, dtype)
+
+
+def obj_of(allocator, tensor):
+    obj = allocator.allocate(tensor.shape, tensor.dtype)
+    obj.tensor.copy_(tensor)
+    return obj
+
+
+async def test_round_trip_batch_and_ttl(redis_server, redis_prefix, allocator, make_chunk):
+    # more concurrent calls than pooled connections: they wait for a connection, none fails
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, ttl_secs=60, read_groups=2,
+                           max_connections=2)
+    chunks = [make_chunk(i, CHUNK) for i in range(5)]
+    srcs = [obj_of(allocator, t) for t in chunks]
+    assert all(await asyncio.gather(*(backend.put(key(i), o) for i, o in enumerate(srcs))))
+    for src in srcs:
+        src.ref_down()
+    assert await backend.contains([key(0), key(9), key(4)]) == [True, False, True]
+    got = await backend.get_many([key(i) for i in range(6)], alloc_fn(allocator))
+    for t, obj in zip(chunks, got[:5]):
+        assert torch.equal(obj.tensor, t)
+        obj.ref_down()
+    assert got[5] is None
+    raw = redis.Redis.from_url(redis_server.url)
+    assert 0 < raw.pttl(redis_prefix + key(0)) <= 60_000
+    assert raw.get(redis_prefix + key(1)).startswith(codec.MAGIC)
+    await backend.clear()
+    assert raw.keys(redis_prefix + "*") == []
+    raw.close()
+    await backend.close()
+
+
+async def test_garbage_value_is_a_miss_and_deleted(redis_server, redis_prefix, allocator, make_chunk):
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix)
+    good = bytearray(codec.encode(key(1), make_chunk(1, CHUNK)))
+    good[-3] ^= 0xFF  # a flipped payload bit
+    assert await backend.put_bytes(key(1), bytes(good))
+    assert await backend.put_bytes(key(2), b"\x80\x04 not a chunk at all")
+    assert await backend.get_many([key(1), key(2)], alloc_fn(allocator)) == [None, None]
+    assert backend.counters["corrupt"] == 2
+    assert await backend.contains([key(1), key(2)]) == [False, False]
+    await backend.close()
+
+
+async def test_killed_server_gives_fast_misses_then_recovers(redis_server, redis_prefix, allocator,
+                                                            make_chunk):
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=1.0,
+                           breaker_base_secs=0.2, breaker_max_secs=0.4)
+    src = obj_of(allocator, make_chunk(1, CHUNK))
+    assert await backend.put(key(1), src)
+    redis_server.kill()
+    try:
+        start = time.monotonic()
+        assert await backend.contains([key(1)]) == [False]
+        assert await backend.get(key(1), alloc_fn(allocator)) is None
+        assert not await backend.put(key(2), src)
+        assert backend.breaker_open
+        for _ in range(20):  # while open: no network calls at all
+            assert await backend.get(key(1), alloc_fn(allocator)) is None
+        assert time.monotonic() - start < 2.0
+        assert backend.counters["breaker_skips"] >= 1 and backend.counters["errors"] >= 1
+    finally:
+        redis_server.restart()  # a fresh, empty server on the same port
+    # the breaker lets a probe through after its backoff; until then puts are dropped
+    deadline = time.monotonic() + 5
+    while not await backend.put(key(1), src) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    got = await backend.get(key(1), alloc_fn(allocator))
+    assert got is not None and torch.equal(got.tensor, src.tensor) and not backend.breaker_open
+    got.ref_down()
+    src.ref_down()
+    await backend.close()
+
+
+async def test_frozen_server_is_bounded_by_the_timeout(redis_server, redis_prefix, allocator):
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.5)
+    assert await backend.ping()
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert await backend.get(key(1), alloc_fn(allocator)) is None
+        assert await backend.contains([key(1)]) == [False]  # breaker open: immediate
+        assert time.monotonic() - start < 1.5
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await backend.close()
+
+
+async def test_unix_socket_url(tmp_path, allocator, make_chunk):
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", "0", "--unixsocket", str(sock),
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        backend = RedisBackend(f"unix://{sock}?db=1", prefix="u:")
+        src = obj_of(allocator, make_chunk(3, CHUNK))
+        assert await backend.put(key(3), src)
+        got = await backend.get(key(3), alloc_fn(allocator))
+        assert torch.equal(got.tensor, src.tensor)
+        got.ref_down()
+        src.ref_down()
+        await backend.close()
+    finally:
+        proc.kill()
+        proc.wait()
