@@ -1,0 +1,114 @@
+"""Helpers shared by the benchmarks: `--quick` / `--json FILE` arguments, best-of-N timing, result tables,
+flat JSON output, and running a peer script under a second interpreter (e.g. one with LMCache).
+
+Conventions: throughputs are decimal (GB/s = 1e9 bytes/s, tokens/s); every ratio is a key ending in
+`_ratio`, defined so that > 1 means lmcache-vllm is better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # benchmarks run as scripts: make the package importable uninstalled
+    sys.path.insert(0, REPO_ROOT)
+PEERS_DIR = os.path.join(REPO_ROOT, "benchmarks", "peers")
+
+
+def parse_args(description: str, add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
+               ) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
+    parser.add_argument("--json", metavar="FILE", help="write all results as one flat JSON object")
+    if add_arguments is not None:
+        add_arguments(parser)
+    return parser.parse_args()
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def timings(fn: Callable[[], object], repeats: int, warmup: int = 1,
+            setup: Optional[Callable[[], object]] = None) -> list[float]:
+    """Seconds of `repeats` runs of `fn` after `warmup` untimed runs; `setup` runs untimed before each."""
+    out = []
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        elapsed = time_once(fn)
+        if i >= warmup:
+            out.append(elapsed)
+    return out
+
+
+def best_of(fn: Callable[[], object], repeats: int, warmup: int = 1,
+            setup: Optional[Callable[[], object]] = None) -> float:
+    """The fastest of `repeats` runs: on a noisy shared machine the minimum is the least disturbed."""
+    return min(timings(fn, repeats, warmup, setup))
+
+
+def median_of(fn: Callable[[], object], repeats: int, warmup: int = 1,
+              setup: Optional[Callable[[], object]] = None) -> float:
+    return statistics.median(timings(fn, repeats, warmup, setup))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def print_table(title: str, rows: Iterable[tuple], headers: tuple) -> None:
+    rows = [tuple(_fmt(v) for v in row) for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    print(f"\n== {title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-2):
+            return f"{value:.3e}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def write_json(path: Optional[str], results: dict) -> None:
+    """Writes `results` (must be flat: str keys, scalar values) to `path` when given."""
+    for key, value in results.items():
+        if isinstance(value, (dict, list, tuple)):
+            raise ValueError(f"benchmark results must be flat; {key!r} is a {type(value).__name__}")
+    if path:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2, sort_keys=True)
+        print(f"\nwrote {path}")
+
+
+def run_peer(python: str, script: str, args: list[str], timeout: float = 600) -> dict:
+    """Runs benchmarks/peers/<script> under `python`; its last stdout line must be a JSON object."""
+    # The peer runs with its own directory as cwd: resolve a relative interpreter path here.
+    python = os.path.abspath(python) if os.sep in python else (shutil.which(python) or python)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the peer must not pick up lmcache_vllm by accident
+    env.setdefault("PYTHONHASHSEED", "0")  # LMCache's builtin hash needs it to be reproducible
+    proc = subprocess.run([python, os.path.join(PEERS_DIR, script), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=PEERS_DIR)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"peer {script} under {python} failed (rc={proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])

@@ -1,0 +1,260 @@
+"""CacheEngine: moves KV between an engine's paged KV cache and the tiered store, chunk by chunk.
+
+It knows tokens → chunk keys (`tokens.KeyBuilder`) and paged layout → stored chunk
+(`layouts.PagedKVLayout`); it knows nothing of vLLM. Prefix semantics: a chunk is only useful if every
+chunk before it is present, so lookups and retrievals stop at the first miss.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Generator, Sequence
+
+import torch
+
+from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.layouts.base import PagedKVLayout
+from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.tokens import CacheKey, KeyBuilder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters of what the engine did; all token counts, never bytes."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    stored_tokens: int = 0
+    skipped_store_tokens: int = 0  # already present, not written again
+    retrieved_tokens: int = 0
+    retrieve_requests: int = 0
+    failed_stores: int = 0
+    shape_mismatches: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Chunk:
+    key: CacheKey
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class _RetrievePlan:
+    chunks: list[_Chunk] = field(default_factory=list)
+    objs: list[MemoryObj] = field(default_factory=list)
+
+
+def _as_bool_mask(mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(num_tokens, dtype=torch.bool)
+    mask = torch.as_tensor(mask, dtype=torch.bool).flatten()
+    if mask.numel() != num_tokens:
+        raise ValueError(f"mask has {mask.numel()} entries but there are {num_tokens} tokens")
+    return mask
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long).flatten()
+    if slot_mapping.numel() < num_tokens:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.numel()} entries but {num_tokens} tokens need a slot")
+    return slot_mapping
+
+
+class CacheEngine:
+    """store / retrieve / lookup of KV for token sequences, on plain tensors.
+
+    `kv_caches` is the engine's per-layer list of paged KV tensors and `slot_mapping[i]` the slot of
+    token i (block_id * block_size + offset; < 0 means "no slot", skipped).
+    """
+
+    def __init__(self, config: LMCacheConfig, layout: PagedKVLayout, key_builder: KeyBuilder,
+                 storage: StorageManager | None = None):
+        self.config = config
+        self.layout = layout
+        self.keys = key_builder
+        self._owns_storage = storage is None
+        self.storage = storage if storage is not None else StorageManager(config)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ helpers
+    def _chunks(self, tokens, include_partial: bool) -> list[_Chunk]:
+        return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial)]
+
+    def _store_chunks(self, tokens, mask: torch.Tensor) -> list[_Chunk]:
+        """Chunks worth storing: fully inside the mask and not present in L1/lower tiers yet."""
+        chunks = [c for c in self._chunks(tokens, self.config.save_unfull_chunk)
+                  if bool(mask[c.start:c.end].all())]
+        if not chunks:
+            return []
+        present = self.storage.contains([c.key for c in chunks])
+        todo = [c for c, p in zip(chunks, present) if not p]
+        self.stats.skipped_store_tokens += sum(c.num_tokens for c, p in zip(chunks, present) if p)
+        return todo
+
+    def _allocate(self, chunk: _Chunk) -> MemoryObj | None:
+        try:
+            return self.storage.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.geometry.dtype)
+        except Exception as exc:  # a full arena must never break inference
+            self.stats.failed_stores += 1
+            logger.warning("store of chunk %s dropped: %s", chunk.key.to_str(), exc)
+            return None
+
+    def _plan_retrieve(self, tokens, mask: torch.Tensor) -> _RetrievePlan:
+        chunks = self._chunks(tokens, include_partial=True)
+        plan = _RetrievePlan()
+        if not chunks:
+            return plan
+        objs = self.storage.get([c.key for c in chunks])
+        for chunk, obj in zip(chunks, objs):
+            expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
+            if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
+                # Same key, different geometry: another model config wrote it. Treat as a miss.
+                self.stats.shape_mismatches += 1
+                logger.warning("chunk %s has shape %s %s, expected %s %s; ignored", chunk.key.to_str(),
+                               tuple(obj.tensor.shape), obj.tensor.dtype, expected, self.layout.geometry.dtype)
+                break
+            plan.chunks.append(chunk)
+            plan.objs.append(obj)
+        for obj in objs[len(plan.objs):]:
+            obj.ref_down()
+        return plan
+
+    @staticmethod
+    def _masked_slots(slot_mapping: torch.Tensor, mask: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+        slots = slot_mapping[chunk.start:chunk.end]
+        chunk_mask = mask[chunk.start:chunk.end]
+        if bool(chunk_mask.all()):
+            return slots
+        # Tokens the caller already has (mask False) keep their KV: give them no slot.
+        return torch.where(chunk_mask, slots, torch.full_like(slots, -1))
+
+    # ------------------------------------------------------------------ public API
+    def lookup(self, tokens) -> int:
+        """Number of leading tokens whose KV is available in some tier (whole chunks only)."""
+        self.stats.lookups += 1
+        chunks = self._chunks(tokens, include_partial=True)
+        if not chunks:
+            return 0
+        hits = self.storage.contains_prefix([c.key for c in chunks])
+        num = chunks[hits - 1].end if hits else 0
+        self.stats.lookup_hit_tokens += num
+        return num
+
+    def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None) -> int:
+        """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored."""
+        num_tokens = len(tokens)
+        mask = _as_bool_mask(mask, num_tokens)
+        slot_mapping = _check_slots(slot_mapping, num_tokens)
+        stored = 0
+        for chunk in self._store_chunks(tokens, mask):
+            obj = self._allocate(chunk)
+            if obj is None:
+                break
+            try:
+                self.layout.gather(kv_caches, slot_mapping[chunk.start:chunk.end], obj.tensor)
+                self.storage.put(chunk.key, obj)
+                stored += chunk.num_tokens
+            finally:
+                obj.ref_down()
+        self.stats.stored_tokens += stored
+        return stored
+
+    def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None) -> torch.Tensor:
+        """Loads the longest available prefix into the paged cache. Returns the mask of tokens loaded."""
+        num_tokens = len(tokens)
+        mask = _as_bool_mask(mask, num_tokens)
+        slot_mapping = _check_slots(slot_mapping, num_tokens)
+        loaded = torch.zeros(num_tokens, dtype=torch.bool)
+        plan = self._plan_retrieve(tokens, mask)
+        self.stats.retrieve_requests += 1
+        try:
+            for chunk, obj in zip(plan.chunks, plan.objs):
+                self.layout.scatter(obj.tensor, kv_caches, self._masked_slots(slot_mapping, mask, chunk))
+                loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
+        finally:
+            for obj in plan.objs:
+                obj.ref_down()
+        self.stats.retrieved_tokens += int(loaded.sum())
+        return loaded
+
+    def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
+                    mask=None) -> Generator[int, None, int]:
+        """Layerwise store: each `next()` copies one layer out of the paged cache (yielding its index);
+        running the generator to its end commits the chunks to storage and returns the tokens stored.
+
+        Call `next()` only after the layer's KV has been written by the model.
+        """
+        num_tokens = len(tokens)
+        mask = _as_bool_mask(mask, num_tokens)
+        slot_mapping = _check_slots(slot_mapping, num_tokens)
+        chunks, objs = [], []
+        for chunk in self._store_chunks(tokens, mask):
+            obj = self._allocate(chunk)
+            if obj is None:
+                break
+            chunks.append(chunk)
+            objs.append(obj)
+        try:
+            for layer in range(self.layout.num_layers):
+                for chunk, obj in zip(chunks, objs):
+                    self.layout.gather_layer(layer, kv_caches[layer], slot_mapping[chunk.start:chunk.end],
+                                             obj.tensor[layer])
+                yield layer
+            stored = 0
+            for chunk, obj in zip(chunks, objs):
+                self.storage.put(chunk.key, obj)
+                stored += chunk.num_tokens
+            self.stats.stored_tokens += stored
+            return stored
+        finally:
+            for obj in objs:
+                obj.ref_down()
+
+    def retrieve_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
+                       mask=None) -> Generator[torch.Tensor | int, None, None]:
+        """Layerwise retrieve: the first `next()` fetches the chunks and yields the mask of tokens that
+        will be loaded; each following `next()` loads one layer and yields its index."""
+        num_tokens = len(tokens)
+        mask = _as_bool_mask(mask, num_tokens)
+        slot_mapping = _check_slots(slot_mapping, num_tokens)
+        plan = self._plan_retrieve(tokens, mask)
+        self.stats.retrieve_requests += 1
+        try:
+            loaded = torch.zeros(num_tokens, dtype=torch.bool)
+            slots = []
+            for chunk in plan.chunks:
+                loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
+                slots.append(self._masked_slots(slot_mapping, mask, chunk))
+            self.stats.retrieved_tokens += int(loaded.sum())
+            yield loaded
+            for layer in range(self.layout.num_layers):
+                for obj, chunk_slots in zip(plan.objs, slots):
+                    self.layout.scatter_layer(obj.tensor[layer], layer, kv_caches[layer], chunk_slots)
+                yield layer
+        finally:
+            for obj in plan.objs:
+                obj.ref_down()
+
+    def prefetch(self, tokens):
+        """Starts moving the available prefix of `tokens` from slower tiers into L1; returns a handle
+        with `.cancel()`."""
+        return self.storage.prefetch([c.key for c in self._chunks(tokens, include_partial=True)])
+
+    def clear(self) -> None:
+        self.storage.clear()
+
+    def close(self) -> None:
+        if self._owns_storage:
+            self.storage.close()
