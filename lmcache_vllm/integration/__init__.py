@@ -1,0 +1,1 @@
+"""Integrations of lmcache-vllm with serving engines (only vLLM so far)."""

@@ -1,0 +1,187 @@
+"""`LMCacheConnector`: the `KVConnectorBase_V1` vLLM loads to reach the lmcache-vllm cache.
+
+    --kv-transfer-config '{"kv_connector": "LMCacheConnector",
+                           "kv_connector_module_path": "lmcache_vllm.integration.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/kv"}}'
+
+`kv_connector_extra_config` takes the keys of the YAML config (`load_config(overrides=...)`). Roles:
+kv_both stores and loads, kv_producer only stores, kv_consumer only loads.
+
+vLLM builds one instance per role: the SCHEDULER one (in the EngineCore process) delegates to
+`scheduler.SchedulerHalf`, each WORKER one (one per tensor-parallel rank) to `worker.WorkerHalf`. The
+two talk only through `LMCacheConnectorMetadata` and the lookup sockets of `lookup.py`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmcache_vllm.config import LMCacheConfig, load_config
+from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
+from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
+from lmcache_vllm.integration.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_LOADING_ROLES = ("kv_both", "kv_consumer")
+_SAVING_ROLES = ("kv_both", "kv_producer")
+
+
+def _attention_hints(vllm_config: "VllmConfig", layer_name: str) -> dict[str, Any]:
+    """What vLLM knows about the layer's KV layout: the CPU attention isa, the backend's name."""
+    hints: dict[str, Any] = {}
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    isa = getattr(layer, "isa", None)
+    if isinstance(isa, str):
+        hints["cpu_isa"] = isa
+    try:
+        hints["backend_hint"] = layer.get_attn_backend().get_name()
+    except Exception:  # not every layer type exposes its backend; the shape decides then
+        pass
+    return hints
+
+
+def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig",
+                       kv_caches: dict[str, torch.Tensor], rank: int, world_size: int):
+    """The `CacheEngine` for one worker rank, keyed by model, KV dtype, TP world size and rank."""
+    from lmcache_vllm.engine import CacheEngine
+    from lmcache_vllm.layouts import detect_layout
+    from lmcache_vllm.storage.codec import FORMAT_VERSION
+    from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
+
+    model_config = vllm_config.model_config
+    caches = list(kv_caches.values())
+    layout = detect_layout(
+        caches,
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model_config.get_head_size(),
+        **_attention_hints(vllm_config, next(iter(kv_caches))),
+    )
+    hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
+    keys = KeyBuilder(model=str(model_config.model), world_size=world_size, rank=rank,
+                      kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher)
+    return CacheEngine(config, layout, keys)
+
+
+class LMCacheConnector(KVConnectorBase_V1):
+    """Saves vLLM's KV into tiered storage and loads cached prefixes back (see module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = load_config(overrides=dict(transfer.kv_connector_extra_config or {}))
+        kv_role = transfer.kv_role or "kv_both"
+        self.can_load = kv_role in _LOADING_ROLES
+        self.can_save = kv_role in _SAVING_ROLES
+        if transfer.kv_load_failure_policy != "recompute":
+            # A cache miss must never fail a request: a chunk that cannot be loaded is recomputed.
+            logger.info("LMCacheConnector sets kv_load_failure_policy='recompute' (was %r)",
+                        transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+        block_size = vllm_config.cache_config.block_size
+        world_size = vllm_config.parallel_config.tensor_parallel_size
+        instance_id = str(transfer.engine_id)
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            client = LookupClient([lookup_socket_path(instance_id, r) for r in range(world_size)],
+                                  timeout_ms=self.config.lookup_timeout_ms)
+            self._scheduler = SchedulerHalf(
+                chunk_size=self.config.chunk_size, block_size=block_size, lookup_client=client,
+                can_load=self.can_load, can_save=self.can_save,
+                save_unfull_chunk=self.config.save_unfull_chunk,
+                save_decode_cache=self.config.save_decode_cache)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if world_size > 1 else 0
+            config = self.config
+            self._worker = WorkerHalf(
+                engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,
+                                                                 world_size),
+                block_size=block_size, use_layerwise=self.config.use_layerwise,
+                lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None)
+        logger.info("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
+                    kv_role, self.config.chunk_size, block_size, world_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss, never something vLLM must wait for.
+        return False
+
+    # ============================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, LMCacheConnectorMetadata) and meta.loads:
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, LMCacheConnectorMetadata) and meta.saves:
+            self._worker.save_kv_layer(meta, layer_name)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, LMCacheConnectorMetadata):
+            self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.lookup_client.close()
+
+    # ============================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)

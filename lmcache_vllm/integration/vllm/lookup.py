@@ -1,0 +1,176 @@
+"""Prefix lookup between vLLM's scheduler and its workers, over local ZMQ sockets.
+
+vLLM's scheduler decides how many prompt tokens the connector can supply, but the cache (the
+`CacheEngine` and its storage tiers) lives beside the worker that owns the KV cache, possibly in another
+process. Each worker rank runs a `LookupServer` thread answering "how many leading tokens of these ids
+do you hold?"; the scheduler's `LookupClient` asks every rank and takes the minimum (with tensor
+parallelism a prefix is only usable if every rank has its shard).
+
+Wire format (no pickle): request = [seq: u64 LE, token ids: int64 LE array], reply = [seq: u64 LE,
+hit tokens: i64 LE]. A rank that does not answer within the timeout counts as 0 hits, never an error.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import tempfile
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_MAX_IPC_PATH = 100  # sockaddr_un.sun_path holds 107 bytes plus NUL on Linux
+
+
+def lookup_socket_path(instance_id: str, rank: int, base_dir: str | None = None) -> str:
+    """The ipc:// address rank `rank` of vLLM instance `instance_id` serves lookups on.
+
+    Unix socket paths are limited to ~107 bytes, so the instance id is hashed into a short name.
+    """
+    base = base_dir or os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    tag = hashlib.sha1(instance_id.encode()).hexdigest()[:16]
+    name = f"lmcache-lookup-{tag}-{rank}.sock"
+    path = os.path.join(base, name)
+    if len(path) > _MAX_IPC_PATH:
+        path = os.path.join("/tmp", name)  # the engine id in the name keeps instances apart
+    return f"ipc://{path}"
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def decode_tokens(payload: bytes) -> np.ndarray:
+    if len(payload) % 8:
+        raise ValueError(f"token payload of {len(payload)} bytes is not a whole number of int64")
+    return np.frombuffer(payload, dtype="<i8")
+
+
+class LookupServer:
+    """Answers prefix lookups for one worker rank on its own daemon thread.
+
+    `lookup_fn(token_ids: np.ndarray) -> int` is the engine's lookup; an exception in it answers 0.
+    """
+
+    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray], int]):
+        self.address = address
+        self._lookup_fn = lookup_fn
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
+        if self._path and os.path.exists(self._path):
+            os.unlink(self._path)  # a stale socket file from a process that died
+        self._socket.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="lmcache-lookup-server", daemon=True)
+        self._thread.start()
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        if len(frames) != 3 or len(frames[1]) != _U64.size:
+            logger.warning("malformed lookup request (%d frames) ignored", len(frames))
+            return None
+        identity, seq, payload = frames
+        try:
+            hit = int(self._lookup_fn(decode_tokens(payload)))
+        except Exception:  # the cache never breaks inference: a failing lookup is a miss
+            logger.exception("lookup failed; answering 0 hits")
+            hit = 0
+        return [identity, seq, _I64.pack(hit)]
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(100)):
+                continue
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                raise
+            reply = self._answer(frames)
+            if reply is not None:
+                self._socket.send_multipart(reply)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        if self._path and os.path.exists(self._path):
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+
+
+class LookupClient:
+    """Asks every rank's `LookupServer`; the answer is the minimum over ranks, 0 on any timeout."""
+
+    def __init__(self, addresses: Sequence[str], timeout_ms: int):
+        if not addresses:
+            raise ValueError("LookupClient needs at least one server address")
+        self.timeout_ms = max(1, int(timeout_ms))
+        self._ctx = zmq.Context.instance()
+        self._sockets = []
+        for address in addresses:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._sockets.append(sock)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.timeouts = 0
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        with self._lock:
+            self._seq += 1
+            seq = _U64.pack(self._seq)
+            payload = encode_tokens(token_ids)
+            for sock in self._sockets:
+                sock.send_multipart([seq, payload])
+            return self._collect(seq)
+
+    def _collect(self, seq: bytes) -> int:
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        answers: dict[int, int] = {}
+        deadline_ms = self.timeout_ms
+        start = time.monotonic()
+        while len(answers) < len(self._sockets):
+            left = deadline_ms - (time.monotonic() - start) * 1000
+            if left <= 0:
+                self.timeouts += 1
+                logger.warning("lookup timed out after %d ms (%d/%d ranks answered); counting 0 hits",
+                               self.timeout_ms, len(answers), len(self._sockets))
+                return 0
+            ready = dict(poller.poll(left))
+            for index, sock in enumerate(self._sockets):
+                if sock not in ready:
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    # Replies to earlier requests that timed out are stale: skip them.
+                    if len(frames) == 2 and frames[0] == seq and len(frames[1]) == _I64.size:
+                        answers[index] = _I64.unpack(frames[1])[0]
+        return max(0, min(answers.values()))
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []

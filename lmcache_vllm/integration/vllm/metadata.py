@@ -1,0 +1,76 @@
+"""What the scheduler half of the connector tells the worker half for one engine step.
+
+`LMCacheConnectorMetadata` travels inside vLLM's `SchedulerOutput` (pickled to worker processes with
+tensor parallelism), so it holds plain ints and lists only. Per request it carries at most one
+`LoadSpec` (copy a cached prefix into the paged KV cache before the forward) and one `SaveSpec` (copy
+freshly computed KV out of the paged cache after it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """Slot of each of the first `num_tokens` tokens of a request whose KV lives in `block_ids`."""
+    needed = -(-num_tokens // block_size)
+    if needed > len(block_ids):
+        raise ValueError(f"{num_tokens} tokens need {needed} blocks of {block_size}, "
+                         f"request has {len(block_ids)}")
+    positions = torch.arange(num_tokens, dtype=torch.long)
+    blocks = torch.as_tensor(block_ids[:needed], dtype=torch.long)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass
+class LoadSpec:
+    """Load tokens [skip_leading, load_end) of `token_ids` into the request's blocks.
+
+    `token_ids` is the cached prefix whose chunks are fetched (chunk-aligned or the whole stored
+    sequence); tokens before `skip_leading` are already in vLLM's own prefix cache and tokens at or
+    after `load_end` are left for vLLM to compute (a full-prompt hit leaves the last token).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_leading: int
+    load_end: int
+
+    @property
+    def num_tokens_to_load(self) -> int:
+        return self.load_end - self.skip_leading
+
+
+@dataclass
+class SaveSpec:
+    """Store the KV of `token_ids` (a prefix of the request) from position `skip_leading` on.
+
+    `skip_leading` is chunk-aligned: whole chunks before it were stored in an earlier step.
+    `is_last` marks the final save of the prompt (a partial last chunk may be stored then).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_leading: int
+    is_last: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class LMCacheConnectorMetadata(KVConnectorMetadata):
+    """All loads and saves of one engine step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves

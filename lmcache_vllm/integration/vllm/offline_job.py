@@ -1,0 +1,111 @@
+"""Runs a scripted sequence of `LLM.generate` calls in this process and writes the results as JSON.
+
+Tests and benchmarks start it in a fresh subprocess (`python -m lmcache_vllm.integration.vllm.offline_job
+JOB.json OUT.json`) so that each vLLM engine, and so each cache instance, lives and dies with its
+process. The job file:
+
+    {"model": DIR, "llm_kwargs": {...}, "kv_transfer_config": {...} | null,
+     "phases": [{"name": "warm", "prompts": [[token ids], ...], "max_tokens": 8}, ...]}
+
+Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
+one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
+phase its wall time, and (when the connector runs in this process) the connector's counters.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _connector_stats(llm) -> dict[str, Any]:
+    """Counters of the worker and scheduler halves, when they live in this process."""
+    stats: dict[str, Any] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            worker = getattr(get_kv_transfer_group(), "_worker", None)
+            if worker is not None:
+                stats["worker"] = worker.stats.as_dict()
+                if worker.engine is not None:
+                    stats["engine"] = worker.engine.stats.as_dict()
+                    stats["storage"] = _plain(worker.engine.storage.stats())
+    except Exception as exc:  # stats are best effort: the job's results matter more
+        stats["worker_error"] = repr(exc)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        connector = core.scheduler.connector
+        half = getattr(connector, "_scheduler", None)
+        if half is not None:
+            stats["scheduler"] = dict(half.stats)
+    except Exception:
+        pass
+    return stats
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(job.get("llm_kwargs", {}))
+    if job.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_transfer_config"])
+    llm = LLM(model=job["model"], **kwargs)
+    startup_s = time.perf_counter() - started
+    phases = []
+    for phase in job["phases"]:
+        params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
+                                ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in phase["prompts"]]
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        phases.append({
+            "name": phase.get("name", ""),
+            "wall_s": wall_s,
+            "results": [{"tokens": list(o.outputs[0].token_ids),
+                         "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outputs],
+        })
+    result = {"startup_s": startup_s, "phases": phases, "stats": _connector_stats(llm)}
+    # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
+    # process started after this one finds everything this one stored.
+    t0 = time.perf_counter()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:
+        result["shutdown_error"] = repr(exc)
+    result["shutdown_s"] = time.perf_counter() - t0
+    del llm
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m lmcache_vllm.integration.vllm.offline_job JOB.json OUT.json",
+              file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    result = run_job(job)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The scheduler half of `LMCacheConnector`: which prefix tokens to load and which KV to save.
+
+It runs inside vLLM's scheduler (EngineCore process) and never touches KV tensors. Per request it keeps
+a `RequestTracker` (live `Request`, block ids as vLLM allocates them, how far saves have reached, a
+pending load) and turns vLLM's scheduling decisions into `LoadSpec` / `SaveSpec`s for the worker half.
+
+Rules:
+- Hits come from the workers' `LookupServer`s; a lookup that times out is 0 hits.
+- Only tokens beyond vLLM's own prefix-cache hit (`num_computed_tokens`) are loaded.
+- A hit covering the whole sequence leaves its last token to vLLM, which needs that token's logits.
+- Saves cover whole chunks as soon as their KV is computed (chunked prefill saves step by step); a
+  partial last chunk of the prompt only with `save_unfull_chunk`; KV of generated tokens only with
+  `save_decode_cache`.
+- Preemption: the request's blocks are replaced on resume; what was saved stays saved. When vLLM rolls
+  a request back (a failed load), saving restarts from the rolled-back position.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def floor_to(n: int, multiple: int) -> int:
+    return n - n % multiple
+
+
+def ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class _PendingLoad:
+    fetch_len: int  # tokens whose chunks are fetched (chunk-aligned or the whole stored sequence)
+    skip_leading: int  # already in vLLM's prefix cache
+    load_end: int  # exclusive; vLLM computes from here
+
+
+@dataclass
+class _Lookup:
+    hit_tokens: int  # stored prefix length the workers reported
+    num_computed_tokens: int  # vLLM's local hit the answer was relative to
+
+
+class RequestTracker:
+    """What the scheduler half knows about one live request."""
+
+    def __init__(self, request: "Request"):
+        self.request = request
+        self.req_id: str = request.request_id
+        self.prompt_len: int = request.num_prompt_tokens
+        self.block_ids: list[int] = []
+        self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
+        self.pending_load: _PendingLoad | None = None
+
+    def token_ids(self, end: int) -> list[int]:
+        return list(self.request.all_token_ids[:end])
+
+
+class SchedulerHalf:
+    """Implements the scheduler-side methods of `KVConnectorBase_V1` for `LMCacheConnector`."""
+
+    def __init__(self, *, chunk_size: int, block_size: int, lookup_client, can_load: bool,
+                 can_save: bool, save_unfull_chunk: bool, save_decode_cache: bool):
+        if chunk_size <= 0 or block_size <= 0:
+            raise ValueError(f"chunk_size ({chunk_size}) and block_size ({block_size}) must be positive")
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.lookup_client = lookup_client
+        self.can_load = can_load
+        self.can_save = can_save
+        self.save_unfull_chunk = save_unfull_chunk
+        self.save_decode_cache = save_decode_cache
+        self._trackers: dict[str, RequestTracker] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "load_requests": 0, "loaded_tokens": 0,
+                      "saved_tokens": 0}
+
+    # ------------------------------------------------------------------ vLLM hooks
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.can_load:
+            return 0, False
+        tokens = request.all_token_ids
+        num_tokens = len(tokens)
+        if num_tokens < self.chunk_size and not self.save_unfull_chunk:
+            return 0, False  # nothing this short is ever stored
+        hit = min(self.lookup_client.lookup(list(tokens)), num_tokens)
+        self.stats["lookups"] += 1
+        self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
+        usable = hit - 1 if hit == num_tokens else hit
+        if usable <= num_computed_tokens:
+            return 0, False
+        self.stats["lookup_hit_tokens"] += usable - num_computed_tokens
+        return usable - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:
+            tracker = self._trackers[request.request_id] = RequestTracker(request)
+        lookup = self._lookups.pop(request.request_id, None)
+        tracker.pending_load = None
+        if num_external_tokens <= 0:
+            return
+        if lookup is None:
+            logger.warning("request %s: vLLM asks to load %d tokens without a lookup; ignored",
+                           request.request_id, num_external_tokens)
+            return
+        load_end = lookup.num_computed_tokens + num_external_tokens
+        fetch_len = min(lookup.hit_tokens, ceil_to(load_end, self.chunk_size))
+        tracker.pending_load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids))
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+
+        for new_req in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new_req.req_id)
+            if tracker is None:  # update_state_after_alloc always runs first; be safe anyway
+                continue
+            tracker.block_ids = list(new_req.block_ids[0])
+            self._emit_load(tracker, meta)
+            self._emit_save(tracker, new_req.num_computed_tokens,
+                            new_req.num_computed_tokens + num_scheduled.get(new_req.req_id, 0), meta)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # After preemption vLLM hands the request a whole new block list.
+                tracker.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                self._emit_load(tracker, meta)
+            elif new_blocks is not None:
+                tracker.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i]
+            self._emit_save(tracker, computed, computed + num_scheduled.get(req_id, 0), meta)
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous in the worker step, so vLLM may free the blocks right away.
+        self._forget(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------------ helpers
+    def _forget(self, req_id: str) -> None:
+        self._trackers.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+
+    def _emit_load(self, tracker: RequestTracker, meta: LMCacheConnectorMetadata) -> None:
+        load = tracker.pending_load
+        tracker.pending_load = None
+        if load is None or load.load_end <= load.skip_leading:
+            return
+        meta.loads.append(LoadSpec(
+            req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len),
+            block_ids=tracker.block_ids[:ceil_to(load.fetch_len, self.block_size) // self.block_size],
+            skip_leading=load.skip_leading, load_end=load.load_end))
+        # Whole chunks we just loaded are stored already: no need to save them again.
+        tracker.saved_end = max(tracker.saved_end, floor_to(load.load_end, self.chunk_size))
+        self.stats["load_requests"] += 1
+        self.stats["loaded_tokens"] += load.load_end - load.skip_leading
+
+    def _emit_save(self, tracker: RequestTracker, computed_before: int, kv_end: int,
+                   meta: LMCacheConnectorMetadata) -> None:
+        """Save what became computable this step: KV of tokens [0, kv_end) exists after it."""
+        if not self.can_save:
+            return
+        if computed_before < tracker.saved_end:
+            # vLLM rolled the request back (failed load): what we thought saved may not be.
+            tracker.saved_end = floor_to(computed_before, self.chunk_size)
+        limit = len(tracker.request.all_token_ids) if self.save_decode_cache else tracker.prompt_len
+        end = min(kv_end, limit)
+        is_last = end >= tracker.prompt_len
+        if not (is_last and end == tracker.prompt_len and self.save_unfull_chunk):
+            end = floor_to(end, self.chunk_size)
+        if end <= tracker.saved_end:
+            return
+        start = floor_to(tracker.saved_end, self.chunk_size)
+        num_blocks = ceil_to(end, self.block_size) // self.block_size
+        if num_blocks > len(tracker.block_ids):
+            logger.warning("request %s: %d tokens to save but only %d blocks known; save skipped",
+                           tracker.req_id, end, len(tracker.block_ids))
+            return
+        meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end),
+                                   block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
+                                   is_last=is_last))
+        self.stats["saved_tokens"] += end - start
+        tracker.saved_end = end

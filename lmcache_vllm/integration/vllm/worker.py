@@ -1,0 +1,232 @@
+"""The worker half of `LMCacheConnector`: moves KV between vLLM's paged cache and the `CacheEngine`.
+
+It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache tensors:
+- `register_kv_caches` detects the paged layout, builds the `CacheEngine` and starts this rank's
+  `LookupServer`;
+- `start_load_kv` retrieves each `LoadSpec` before the forward (all layers at once, or layer by layer
+  driven by `wait_for_layer_load` when `use_layerwise`);
+- `save_kv_layer` / `wait_for_save` store each `SaveSpec` after the layers computed it;
+- tokens that could not be loaded are reported by block id through `get_block_ids_with_load_errors`,
+  and vLLM recomputes them. A request whose load failed in a step saves nothing in that step, so KV
+  computed on top of a hole is never stored.
+Every failure here is logged and turned into a miss; none propagates into vLLM's step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Generator
+
+import torch
+
+from lmcache_vllm.integration.vllm.lookup import LookupServer
+from lmcache_vllm.integration.vllm.metadata import (
+    LMCacheConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    slot_mapping_for,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    loaded_tokens: int = 0
+    failed_load_tokens: int = 0
+    stored_tokens: int = 0
+    failed_saves: int = 0
+    skipped_saves_after_failed_load: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _StepState:
+    """Per-step layerwise generators and the requests whose load failed this step."""
+
+    retrievers: list[Generator] = field(default_factory=list)
+    storers: list[Generator] = field(default_factory=list)
+    failed_loads: set[str] = field(default_factory=set)
+    next_layer_to_load: int = 0
+
+
+class WorkerHalf:
+    """Implements the worker-side methods of `KVConnectorBase_V1` for `LMCacheConnector`.
+
+    `engine_factory(kv_caches: dict[layer name, Tensor]) -> CacheEngine` builds the engine once the KV cache
+    tensors exist; `lookup_address` is where this rank serves lookups (None: no server).
+    """
+
+    def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
+                 lookup_address: str | None):
+        self._engine_factory = engine_factory
+        self.block_size = block_size
+        self.use_layerwise = use_layerwise
+        self.lookup_address = lookup_address
+        self.engine = None
+        self.lookup_server: LookupServer | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.layer_index: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+        self._step = _StepState()
+        self.stats = WorkerStats()
+
+    # ------------------------------------------------------------------ setup / teardown
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # vLLM inserts layers in forward order; that order is the stored chunk's layer order.
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.kv_caches = list(kv_caches.values())
+        self.engine = self._engine_factory(kv_caches)
+        if self.lookup_address is not None:
+            self.lookup_server = LookupServer(self.lookup_address, self._lookup)
+        logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
+                    getattr(self.engine, "layout", None), self.lookup_address)
+
+    def _lookup(self, token_ids) -> int:
+        engine = self.engine
+        return 0 if engine is None else int(engine.lookup(token_ids))
+
+    def shutdown(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+            self.lookup_server = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        self._step = _StepState()
+
+    def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
+        if self.engine is None:
+            return
+        for spec in meta.loads:
+            self._start_load(spec)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        num = len(spec.token_ids)
+        wanted = torch.zeros(num, dtype=torch.bool)
+        wanted[spec.skip_leading:spec.load_end] = True
+        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long)
+        try:
+            slots = slot_mapping_for(spec.block_ids, self.block_size, num)
+            if self.use_layerwise:
+                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted)
+                loaded = next(retriever)
+                self._step.retrievers.append(retriever)
+            else:
+                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted)
+        except Exception:
+            logger.exception("request %s: load failed; vLLM will recompute", spec.req_id)
+            loaded = torch.zeros(num, dtype=torch.bool)
+        missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
+        num_missing = int(missing.sum())
+        self.stats.loaded_tokens += int(wanted.sum()) - num_missing
+        if num_missing:
+            positions = torch.nonzero(missing).flatten().tolist()
+            bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
+            self._load_errors.update(bad_blocks)
+            self._step.failed_loads.add(spec.req_id)
+            self.stats.failed_load_tokens += num_missing
+            logger.warning("request %s: %d of %d tokens could not be loaded; %d blocks reported for "
+                           "recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._step.retrievers:
+            return
+        target = self.layer_index.get(layer_name)
+        if target is None:
+            return
+        # Layers are visited in order; advance every retriever up to and including `target`.
+        while self._step.next_layer_to_load <= target:
+            for retriever in list(self._step.retrievers):
+                try:
+                    next(retriever)
+                except StopIteration:
+                    self._step.retrievers.remove(retriever)
+                except Exception:
+                    logger.exception("layerwise load failed at layer %d", self._step.next_layer_to_load)
+                    self._step.retrievers.remove(retriever)
+            self._step.next_layer_to_load += 1
+
+    def save_kv_layer(self, meta: LMCacheConnectorMetadata, layer_name: str) -> None:
+        if not self.use_layerwise or self.engine is None:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        if layer == 0:
+            self._step.storers = [self._start_layerwise_store(spec) for spec in self._saves(meta)]
+            self._step.storers = [s for s in self._step.storers if s is not None]
+        for storer in list(self._step.storers):
+            try:
+                next(storer)
+            except StopIteration:
+                self._step.storers.remove(storer)
+            except Exception:
+                logger.exception("layerwise store failed at layer %d", layer)
+                self.stats.failed_saves += 1
+                self._step.storers.remove(storer)
+
+    def _start_layerwise_store(self, spec: SaveSpec):
+        try:
+            tokens, slots, mask = self._save_args(spec)
+            return self.engine.store_layer(tokens, self.kv_caches, slots, mask)
+        except Exception:
+            logger.exception("request %s: store failed", spec.req_id)
+            self.stats.failed_saves += 1
+            return None
+
+    def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
+        if self.engine is None:
+            return
+        if self._step.retrievers:
+            # Layers the forward never announced still get their KV before the step ends.
+            self.wait_for_layer_load(next(reversed(self.layer_index)))
+        if self.use_layerwise:
+            for storer in self._step.storers:
+                self._finish_store(storer)
+            self._step.storers = []
+            return
+        for spec in self._saves(meta):
+            try:
+                tokens, slots, mask = self._save_args(spec)
+                self.stats.stored_tokens += int(self.engine.store(tokens, self.kv_caches, slots, mask))
+            except Exception:
+                logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
+                self.stats.failed_saves += 1
+
+    def _finish_store(self, storer: Generator) -> None:
+        try:
+            while True:
+                next(storer)
+        except StopIteration as stop:
+            self.stats.stored_tokens += int(stop.value or 0)
+        except Exception:
+            logger.exception("layerwise store failed while committing")
+            self.stats.failed_saves += 1
+
+    def _saves(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
+        saves = []
+        for spec in meta.saves:
+            if spec.req_id in self._step.failed_loads:
+                # Its KV past the hole was computed against missing context: not worth keeping.
+                self.stats.skipped_saves_after_failed_load += 1
+                continue
+            saves.append(spec)
+        return saves
+
+    def _save_args(self, spec: SaveSpec):
+        num = len(spec.token_ids)
+        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long)
+        slots = slot_mapping_for(spec.block_ids, self.block_size, num)
+        mask = torch.zeros(num, dtype=torch.bool)
+        mask[spec.skip_leading:] = True
+        return tokens, slots, mask
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

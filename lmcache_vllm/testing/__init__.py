@@ -1,0 +1,1 @@
+"""Helpers for tests, examples and benchmarks: a local model built without any hub."""

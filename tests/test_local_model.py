@@ -1,0 +1,53 @@
+"""The hub-free local test model: deterministic builds, cached by recipe, refuses foreign directories."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from lmcache_vllm.testing.local_model import RECIPES, build_model
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_recipes_have_distinct_stable_digests():
+    assert RECIPES["tiny"].digest() != RECIPES["medium"].digest()
+    assert RECIPES["tiny"].digest() == RECIPES["tiny"].digest()
+    medium = RECIPES["medium"]
+    assert medium.hidden_size // medium.num_heads == 64  # a head size vLLM's CPU backend supports
+
+
+def test_build_is_deterministic_and_reused(tmp_path):
+    a = build_model("tiny", tmp_path / "a")
+    b = build_model("tiny", tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert _digest(a / name) == _digest(b / name)
+    config = json.loads((a / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["vocab_size"]) == (4, 2, 4096)
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert build_model("tiny", a) == a  # already built: returned as is
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dirs left
+
+
+def test_tokenizer_round_trips_text(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_model("tiny", tmp_path / "m")))
+    text = "def main(argv):\n    return 0  # done"
+    ids = tok(text)["input_ids"]
+    assert all(0 <= i < 4096 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_refuses_unknown_size_and_foreign_directories(tmp_path):
+    with pytest.raises(ValueError):
+        build_model("huge", tmp_path / "x")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a model")
+    with pytest.raises(FileExistsError):
+        build_model("tiny", foreign)
