@@ -13,48 +13,21 @@ TTFT / our warm TTFT (target >= 1/1.2), `fresh_disk_speedup_ratio` = cold / fres
 """
 from __future__ import annotations
 
-import json
 import os
-import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from _common import REPO_ROOT, parse_args, print_table, write_json
 
-CONNECTOR = {"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lmcache_vllm.integration.vllm",
-             "kv_role": "kv_both"}
-
+from lmcache_vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
 def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 4096) for _ in range(n)]
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_") or k == "LMCACHE_VLLM_MODEL_CACHE"}
-    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH", "TMPDIR"):
-        (tmp / name.lower()).mkdir(parents=True, exist_ok=True)
-        env[name] = str(tmp / name.lower())
-    env.update({"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
-    return env
+    return random_tokens(seed, n)
 
 
 def _run(tmp: Path, name: str, job: dict, hash_seed: int = 0) -> dict:
-    job_path, out_path, log_path = tmp / f"{name}.job.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    job_path.write_text(json.dumps(job))
-    env = _env(tmp / name)
-    env["PYTHONHASHSEED"] = str(hash_seed)
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "lmcache_vllm.integration.vllm.offline_job",
-                               str(job_path), str(out_path)], cwd=REPO_ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed (rc={proc.returncode}):\n{log_path.read_text()[-4000:]}")
-    return json.loads(out_path.read_text())
+    return run_job(tmp, name, job, hash_seed=hash_seed, kv_cache_gib=2)
 
 
 def _walls(result: dict, prefix: str) -> list[float]:

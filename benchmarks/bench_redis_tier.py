@@ -4,7 +4,8 @@ Starts its own redis-server (no persistence) on a free loopback port. Baselines 
 same bytes, with the same client library (redis-py asyncio + hiredis):
 - raw MGET of the 64 values in one call; raw pipelined GETs (64 GETs, one round trip); raw MGET split
   over 4 connections at once; raw pipelined SETs.
-Our get = MGET + header/checksum verification + copy into allocator memory; our put = codec encode + one
+Our get = pipelined MGETs of 8 keys on one connection, each batch's copy into allocator memory +
+header/checksum verification done on a decode thread while the next replies arrive; our put = codec encode + one
 SET per chunk (concurrently). Ratios > 1 mean lmcache-vllm is faster; the get target is >= 0.9x the best
 raw read path, which does none of that work.
 """

@@ -9,12 +9,10 @@ import textwrap
 import threading
 import time
 
-import pytest
 import redis
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.local_disk import filename_for
 from lmcache_vllm.storage.manager import StorageManager
 
@@ -201,7 +199,9 @@ def test_prefetch_and_cancel_leak_nothing(tmp_path, make_chunk):
         assert mgr.allocator.used_bytes == 0
         handle = mgr.prefetch([key(i) for i in range(8)])
         assert handle.wait(10) == 8 and all(mgr.l1.contains_sync(key(i)) for i in range(8))
-        assert mgr.allocator.used_bytes == 8 * chunks[0].numel() * 2  # only L1's entries
+        assert mgr.allocator.used_bytes == 8 * chunks[0].numel() * 2  # L1's entries, also held
+        handle.cancel()  # drops the holds; the entries stay in L1
+        assert mgr.allocator.used_bytes == 8 * chunks[0].numel() * 2 and len(mgr.l1) == 8
         for _ in range(10):
             mgr.l1.clear_sync()
             handle = mgr.prefetch([key(i) for i in range(8)])
@@ -244,3 +244,65 @@ def test_staging_only_l1(tmp_path, make_chunk):
         assert len(mgr.l1) == 0
         check_and_release(mgr.get([key(0)]), [make_chunk(0, CHUNK)])
         assert mgr.allocator.used_bytes == 0 and mgr.stats()["local_disk_hits"] == 1
+
+
+def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
+    big = (4, 2, 256, 512)  # 2 MiB chunks; L1 has room for 4.5 of them
+    nbytes = 2 * MiB
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.1, max_local_cpu_size=9 * MiB / (1 << 30),
+                 extra={"prefetch_hold_secs": 60.0})
+    chunks = [make_chunk(i, big) for i in range(8)]
+    with StorageManager(cfg) as mgr:
+        for i, t in enumerate(chunks):
+            store(mgr, i, t)
+            assert mgr.flush()
+        mgr.l1.clear_sync()
+        handle = mgr.prefetch([key(i) for i in range(4)])
+        assert handle.wait(10) == 4 and mgr.stats()["prefetch_held"] == 4
+        disk_hits = mgr.stats()["local_disk_hits"]
+        # Another request's get would evict chunks 0-3 under plain LRU; held, they stay.
+        assert mgr.get([key(i) for i in range(4, 8)]) == []
+        check_and_release(mgr.get([key(i) for i in range(4)]), chunks[:4])
+        assert mgr.stats()["local_disk_hits"] == disk_hits  # served from memory, not re-read
+        assert mgr.stats()["prefetch_held"] == 0  # the get took the holds over
+        # cancel: every hold released, nothing but L1's own entries left in the arena
+        mgr.l1.clear_sync()
+        handle = mgr.prefetch([key(i) for i in range(4, 8)])
+        assert handle.wait(10) == 4 and mgr.stats()["prefetch_held"] == 4
+        handle.cancel()
+        assert mgr.stats()["prefetch_held"] == 0
+        assert mgr.allocator.num_live == len(mgr.l1)
+        # close releases holds too
+        mgr.l1.clear_sync()
+        assert mgr.prefetch([key(0)]).wait(10) == 1 and mgr.stats()["prefetch_held"] == 1
+    assert mgr.allocator.used_bytes == 0
+    # timeout: a prefetch nobody gets or cancels lets go after prefetch_hold_secs
+    cfg.extra_config["prefetch_hold_secs"] = 0.2
+    with StorageManager(cfg) as mgr:
+        assert mgr.prefetch([key(i) for i in range(2)]).wait(10) == 2
+        deadline = time.monotonic() + 5
+        while mgr.stats()["prefetch_held"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mgr.stats()["prefetch_held"] == 0
+        assert mgr.allocator.num_live == len(mgr.l1) == 2
+
+
+def test_two_live_processes_share_a_disk_directory(tmp_path, make_chunk):
+    # Two managers (as two vLLM processes would) on one directory, both started before any write:
+    # each sees the other's chunks at once, without a restart.
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    with StorageManager(cfg) as writer, StorageManager(cfg) as reader:
+        assert reader.contains_prefix([key(0)]) == 0
+        store(writer, 0, make_chunk(0, CHUNK))
+        store(writer, 1, make_chunk(1, CHUNK))
+        assert writer.flush()
+        assert reader.contains([key(0), key(1), key(2)]) == [True, True, False]
+        assert reader.contains_prefix([key(0), key(1), key(2)]) == 2
+        check_and_release(reader.get([key(0), key(1), key(2)]), [make_chunk(0, CHUNK), make_chunk(1, CHUNK)])
+        assert reader.stats()["local_disk.adopted"] == 2
+        # a file the other process removed is a miss again (never a stale hit)
+        store(writer, 3, make_chunk(3, CHUNK))
+        assert writer.flush()
+        assert reader.contains([key(3)]) == [True]
+        os.unlink(tmp_path / filename_for(key(3)))
+        assert reader.get([key(3)]) == []

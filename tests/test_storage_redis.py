@@ -141,3 +141,43 @@ async def test_unix_socket_url(tmp_path, allocator, make_chunk):
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_pipelined_batches_cancel_and_reuse(redis_server, redis_prefix, allocator, make_chunk):
+    # 9 keys in MGETs of 2 on one connection: a miss and a corrupt value in later batches; a get
+    # cancelled at any point leaks no memory and leaves no half-read connection in the pool
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, read_batch_keys=2, max_connections=1)
+    chunks = {i: make_chunk(i, (2, 2, 64, 128)) for i in range(9) if i != 5}  # 64 KiB each
+    for i, t in chunks.items():
+        src = obj_of(allocator, t)
+        assert await backend.put(key(i), src)
+        src.ref_down()
+    assert await backend.put_bytes(key(7), b"LMCV" + bytes(100))  # corrupt
+    got = await backend.get_many([key(i) for i in range(9)], alloc_fn(allocator))
+    assert [o is not None for o in got] == [i not in (5, 7) for i in range(9)]
+    for i, obj in enumerate(got):
+        if obj is not None:
+            assert torch.equal(obj.tensor, chunks[i])
+            obj.ref_down()
+    assert backend.counters["corrupt"] == 1 and backend.counters["misses"] == 1
+    keys = [key(i) for i in range(7)]
+    for delay in (0, 0.0005, 0.001, 0.002, 0.005):
+        task = asyncio.ensure_future(backend.get_many(keys, alloc_fn(allocator)))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            for obj in await task:
+                obj is not None and obj.ref_down()
+        except asyncio.CancelledError:
+            pass
+        deadline = time.monotonic() + 5
+        while allocator.used_bytes and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert allocator.used_bytes == 0
+        again = await backend.get_many(keys, alloc_fn(allocator))
+        assert [o is not None for o in again] == [i != 5 for i in range(7)]
+        for i, obj in enumerate(again):
+            if obj is not None:
+                assert torch.equal(obj.tensor, chunks[i])
+                obj.ref_down()
+    await backend.close()

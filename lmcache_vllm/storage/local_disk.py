@@ -10,6 +10,8 @@
   machine): `pread` of the header, allocation of a MemoryObj of the right shape, `preadv` of the payload
   straight into the MemoryObj's bytes, checksum. A corrupt or truncated file is a miss and is deleted.
   Eviction may unlink a file a reader has open; POSIX keeps the open file readable, so that is safe.
+- Several live processes may share the directory: a key missing from the index is looked up as a
+  file (one stat) before it counts as a miss, and a valid file is adopted into the index.
 - Start-up: the directory is scanned and every header read; our files (right magic and format version,
   accepted by `key_filter`, e.g. the same model) are indexed oldest-mtime first; files of another
   format version or rejected by the filter are left alone and not counted; corrupt files of our format
@@ -22,6 +24,7 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -109,7 +112,15 @@ class LocalDiskBackend(StorageBackend):
     def _scan_file(self, entry: os.DirEntry):
         try:
             st = entry.stat()
-            with open(entry.path, "rb") as f:
+        except OSError:
+            return None
+        return self._check_file(entry.name, st)
+
+    def _check_file(self, name: str, st: os.stat_result, expected_key: Optional[str] = None):
+        """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
+        one of our format is removed; anything else is left alone)."""
+        try:
+            with open(os.path.join(self.path, name), "rb") as f:
                 head = f.read(codec.MAX_HEADER_SIZE)
         except OSError:
             return None
@@ -118,16 +129,42 @@ class LocalDiskBackend(StorageBackend):
         try:
             header = codec.parse_header(head)
         except codec.CorruptEntry:
-            self._drop_corrupt(entry.name)
+            self._drop_corrupt(name)
             return None
-        if filename_for(header.key) != entry.name:
+        if filename_for(header.key) != name:
             return None
+        if expected_key is not None and header.key != expected_key:
+            return None  # a hashed name shared by two keys: not the chunk asked for
         if self.key_filter is not None and not self.key_filter(header.key):
             return None  # e.g. another model's chunks
         if st.st_size != header.header_len + header.payload_len:
-            self._drop_corrupt(entry.name)
+            self._drop_corrupt(name)
             return None
-        return (st.st_mtime, header.key, entry.name, st.st_size)
+        return (st.st_mtime, header.key, name, st.st_size)
+
+    def _adopt(self, key: str) -> Optional[tuple[str, int]]:
+        """On an index miss: the key's file written by another live process sharing the directory is
+        indexed (one stat when there is no such file; a header read when there is)."""
+        name = filename_for(key)
+        try:
+            st = os.stat(os.path.join(self.path, name))
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        item = self._check_file(name, st, key)
+        if item is None:
+            return None
+        with self._lock:
+            if key in self._writing:
+                return None  # our own write of it is about to index it
+            if key not in self._index:
+                self._index[key] = (name, item[3])
+                self._used += item[3]
+                self.counters["adopted"] += 1
+            entry = self._index[key]
+        self._evict_to(self.max_bytes)
+        return entry
 
     # ---- helpers ------------------------------------------------------------------------------
     def _unlink(self, name: str) -> None:
@@ -165,7 +202,8 @@ class LocalDiskBackend(StorageBackend):
     # ---- StorageBackend -----------------------------------------------------------------------
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            found = [k in self._index for k in keys]
+        return [hit or self._adopt(k) is not None for k, hit in zip(keys, found)]
 
     def __len__(self) -> int:
         return len(self._index)
@@ -179,6 +217,8 @@ class LocalDiskBackend(StorageBackend):
             item = self._index.get(key)
             if item is not None:
                 self._index.move_to_end(key)
+        if item is None:
+            item = self._adopt(key)
         if item is None:
             self.counters["misses"] += 1
             return None

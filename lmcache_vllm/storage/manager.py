@@ -11,8 +11,11 @@ exception to the caller:
   searching L1, then each lower tier in one batched existence check for the keys still unknown. `get`
   returns that prefix as MemoryObjs with a reference for the caller; lower-tier hits are read into
   memory from the L1 allocator and promoted into L1.
-- `prefetch(keys)` does the same reads in the background and only promotes; its handle's `cancel()`
-  stops it, and every object already read is either in L1 or released (nothing leaks).
+- `prefetch(keys)` does the same reads in the background, promotes, and *holds* a reference on every
+  object of the prefix it found (L1 hits included), so L1 cannot evict them before the request's
+  `get`, which takes the hold over as the caller's reference. Holds end when a `get` takes them, when
+  the handle's `cancel()` is called (it also stops the reads), or after `prefetch_hold_secs`; every
+  object read is either in L1, held, or released (nothing leaks).
 - `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
   and joins its thread and the backends' thread pools.
 
@@ -20,8 +23,9 @@ Config (an `LMCacheConfig` or anything with the same attributes): `local_cpu`, `
 `local_disk`, `max_local_disk_size` (GB), `remote_url`, `blocking_timeout_secs` (get), `lookup_timeout_ms`
 (contains_prefix), and in `extra_config`: `remote_key_prefix` ("lmcache_vllm:"), `remote_ttl_secs`
 (None), `remote_timeout_secs` (2.0), `remote_max_connections` (16), `remote_read_groups` (1),
+`remote_read_batch_keys` (8),
 `remote_breaker_max_secs` (30), `write_queue_depth` (64), `write_workers` (4), `disk_io_threads` (8),
-`disk_fsync` (False), `close_drain_secs` (5.0), `staging_buffer_size` (GB of arena when local_cpu
+`disk_fsync` (False), `close_drain_secs` (5.0), `prefetch_hold_secs` (30.0), `staging_buffer_size` (GB of arena when local_cpu
 is false and max_local_cpu_size is 0; default 1.0).
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import Counter
@@ -40,6 +45,7 @@ from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
+from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.redis_backend import RedisBackend
 
 logger = logging.getLogger(__name__)
@@ -79,31 +85,6 @@ class _Handoff:
             return result
 
 
-class PrefetchHandle:
-    """A background read of lower-tier chunks into L1."""
-
-    def __init__(self, future: Optional[concurrent.futures.Future], ready: int = 0):
-        self._future = future
-        self._ready = ready
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Number of keys (from the first) in L1 once the prefetch is done; 0 on timeout or cancel."""
-        if self._future is None:
-            return self._ready
-        try:
-            return self._ready + self._future.result(timeout)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            return 0
-        except Exception:  # a failed prefetch is just a smaller cache hit later
-            return self._ready
-
-    def cancel(self) -> bool:
-        return self._future.cancel() if self._future is not None else False
-
-
 class StorageManager:
     def __init__(self, config, *, allocator: Optional[HostAllocator] = None,
                  key_filter: Optional[Callable[[str], bool]] = None):
@@ -111,6 +92,8 @@ class StorageManager:
         self.get_timeout = float(getattr(config, "blocking_timeout_secs", None) or 10.0)
         self.lookup_timeout = float(getattr(config, "lookup_timeout_ms", None) or 2000.0) / 1000.0
         self.close_drain_secs = float(extra.get("close_drain_secs", 5.0))
+        self.prefetch_hold_secs = float(extra.get("prefetch_hold_secs", 30.0))
+        self._holds = PrefetchHolds()
         self._queue_depth = int(extra.get("write_queue_depth", 64))
         self._num_writers = int(extra.get("write_workers", 4))
         if allocator is None:
@@ -137,6 +120,7 @@ class StorageManager:
                     timeout_secs=float(extra.get("remote_timeout_secs", 2.0)),
                     max_connections=int(extra.get("remote_max_connections", 16)),
                     read_groups=int(extra.get("remote_read_groups", 1)),
+                    read_batch_keys=int(extra.get("remote_read_batch_keys", 8)),
                     breaker_max_secs=float(extra.get("remote_breaker_max_secs", 30.0))))
         except BaseException:
             self._close_sync_backends()
@@ -264,9 +248,10 @@ class StorageManager:
             objs = []
         handoff.deliver(objs)
 
-    async def _prefetch(self, keys: Sequence[str]) -> int:
+    async def _prefetch(self, keys: Sequence[str], owner: int) -> int:
         objs = await self._fetch(keys)
-        release_objs(objs)  # they stay in L1, owned by its index
+        for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
+            self._holds.hold(owner, key, obj)
         return len(objs)
 
     # ---- facade -----------------------------------------------------------------------------------
@@ -340,7 +325,9 @@ class StorageManager:
         ks = [_key_str(k) for k in keys]
         out: list[MemoryObj] = []
         for k in ks:
-            obj = self.l1.get_sync(k)
+            obj = self._holds.take(k)  # a prefetch's hold becomes the caller's reference
+            if obj is None:
+                obj = self.l1.get_sync(k)
             if obj is None:
                 break
             out.append(obj)
@@ -360,12 +347,29 @@ class StorageManager:
         return out + lower
 
     def prefetch(self, keys: Sequence[KeyLike]) -> PrefetchHandle:
+        """Reads the available prefix of `keys` into L1 in the background and holds it (L1 hits
+        included) until a `get` takes it, the handle is cancelled or `prefetch_hold_secs` pass."""
         ks = [_key_str(k) for k in keys]
-        n = self._l1_prefix(ks)
-        if n == len(ks) or not self.lower or not self.l1.keep_entries or self._closed:
-            return PrefetchHandle(None, n)
+        if self._closed:
+            return PrefetchHandle(None, 0)
+        owner = self._holds.new_owner()
+        release = functools.partial(self._holds.release_owner, owner)
+        n = 0
+        for k in ks:
+            obj = self.l1.get_sync(k)
+            if obj is None:  # not in L1 (or no L1) but held by another prefetch: share its object
+                obj = self._holds.share(k)
+            if obj is None:
+                break
+            self._holds.hold(owner, k, obj)
+            n += 1
+        # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
+        self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
+        if n == len(ks) or not self.lower:
+            return PrefetchHandle(None, n, release)
         self._count("prefetches")
-        return PrefetchHandle(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:]), self._loop), n)
+        fut = asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner), self._loop)
+        return PrefetchHandle(fut, n, release)
 
     def clear(self) -> None:
         self.l1.clear_sync()
@@ -384,6 +388,7 @@ class StorageManager:
         with self._lock:
             out = dict(self._counters)
             out["write_queue_pending"] = self._pending
+        out["prefetch_held"] = self._holds.num_held()
         for tier in [self.l1, *self.lower]:
             for name, value in tier.stats().items():
                 out[f"{tier.name}.{name}"] = value
@@ -418,6 +423,7 @@ class StorageManager:
         self._thread.join(timeout=10.0)
         if not self._thread.is_alive():
             self._loop.close()
+        self._holds.release_all()
         self.l1.clear_sync()
 
     async def _shutdown(self) -> None:

@@ -3,8 +3,10 @@
 - URL: `redis://[user:password@]host:port/db`, `rediss://...` (TLS) or `unix:///path.sock?db=N`.
 - One Redis key per chunk: `<prefix><key string>`; value = codec bytes (header + payload) written by a
   single SET (atomic: readers see the old value or the whole new one), with an optional TTL.
-- Batched reads are one MGET per read group; existence checks are one pipeline of EXISTS. Large batches
-  can be split over several connections (`read_groups`) so that parsing overlaps transfer.
+- Batched reads: per read group (default 1) one connection and one pipeline of MGETs of
+  `read_batch_keys` keys each; each MGET's values are decoded (copy into allocator memory + checksum)
+  on a decode thread while the next replies are read, which hides the decode behind the transfer.
+  Existence checks are one pipeline of EXISTS.
 - Every call has a timeout. A connection error or timeout opens a circuit breaker: calls return misses
   at once (puts are dropped and counted) until a retry time that doubles after each failed retry, up to
   `breaker_max_secs`. The first call after that time is the probe; success closes the breaker.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
@@ -32,6 +35,26 @@ logger = logging.getLogger(__name__)
 _DEFAULT = object()
 
 
+def _release_decoded(fut) -> None:
+    """Done callback (asyncio or concurrent future) freeing the objects of an abandoned decode."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    release_objs(obj for obj, _ in fut.result())
+
+
+async def gather_owned_lists(coros) -> list:
+    """Gathers coroutines that return lists of (MemoryObj or None, outcome); if one fails or the
+    gathering is cancelled, the objects of the others are released instead of leaked."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(_release_decoded)
+        raise
+
+
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
@@ -41,13 +64,16 @@ class RedisBackend(StorageBackend):
 
     def __init__(self, url: str, *, prefix: str = "lmcache_vllm:", ttl_secs: Optional[float] = None,
                  timeout_secs: float = 2.0, max_connections: int = 16, read_groups: int = 1,
-                 breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0):
+                 read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0):
         super().__init__()
         self.url = url
         self.prefix = prefix
         self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
         self.timeout = float(timeout_secs)
         self.read_groups = max(1, int(read_groups))
+        self.read_batch_keys = max(1, int(read_batch_keys))
+        # One thread: decoding (memmove + xxh3, both without the GIL) overlaps the loop's reads.
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode")
         self.breaker_base = float(breaker_base_secs)
         self.breaker_max = float(breaker_max_secs)
         self._failures = 0
@@ -134,42 +160,74 @@ class RedisBackend(StorageBackend):
         groups = min(self.read_groups, len(keys))
         step = -(-len(keys) // groups)
         spans = [(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
-        out: list[Optional[MemoryObj]] = [None] * len(keys)
-        corrupt: list[str] = []
-
-        async def fetch(lo: int, hi: int) -> None:
-            # Each group is decoded as soon as its reply is in, while other groups are in flight.
-            values = await self._client.mget([self._rkey(k) for k in keys[lo:hi]])
-            for i, value in zip(range(lo, hi), values):
-                out[i] = self._decode(keys[i], value, alloc, corrupt)
-
-        try:
-            ok = await self._call(lambda: asyncio.gather(*(fetch(lo, hi) for lo, hi in spans)),
-                                  default=_DEFAULT)
-        except BaseException:
-            release_objs(out)
-            raise
-        if ok is _DEFAULT:  # failed or breaker open: everything is a miss
-            release_objs(out)
+        # Per group: (MemoryObj or None, counter name) per key.
+        decoded = await self._call(
+            lambda: gather_owned_lists(self._read_group(keys[lo:hi], alloc) for lo, hi in spans),
+            default=_DEFAULT)
+        if decoded is _DEFAULT:  # failed or breaker open: everything is a miss
             return [None] * len(keys)
+        out: list[Optional[MemoryObj]] = []
+        corrupt: list[str] = []
+        for (lo, _), group in zip(spans, decoded):
+            for i, (obj, outcome) in enumerate(group, start=lo):
+                self.counters[outcome] += 1
+                if outcome == "corrupt":
+                    corrupt.append(keys[i])
+                out.append(obj)
         for key in corrupt:
             await self._call(lambda: self._client.delete(self._rkey(key)))
         return out
 
-    def _decode(self, key: str, value: Optional[bytes], alloc: AllocFn,
-                corrupt: list[str]) -> Optional[MemoryObj]:
-        if value is None:
-            self.counters["misses"] += 1
-            return None
+    async def _read_group(self, keys: Sequence[str], alloc: AllocFn) -> list:
+        """One connection, one pipeline of MGETs of `read_batch_keys` keys each: every batch is decoded
+        on the decode thread as soon as its reply is in, while the following replies are still being
+        read, so the copy into `alloc` memory and the checksum hide behind the transfer."""
+        pool = self._client.connection_pool
+        batches = [keys[i:i + self.read_batch_keys] for i in range(0, len(keys), self.read_batch_keys)]
+        decoding: list[Future] = []
         try:
-            obj = codec.decode(value, key, alloc)
-        except codec.CorruptEntry as exc:
-            logger.warning("corrupt redis value under %r: %s; deleting it", self._rkey(key), exc)
-            self.counters["corrupt"] += 1
-            corrupt.append(key)
-            return None
-        self.counters["hits" if obj is not None else "alloc_failures"] += 1
-        return obj
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(conn.pack_commands(
+                    [("MGET", *(self._rkey(k) for k in batch)) for batch in batches]))
+                for batch in batches:
+                    values = await conn.read_response()
+                    if not isinstance(values, list) or len(values) != len(batch):
+                        raise RedisError(f"MGET of {len(batch)} keys answered {type(values).__name__}")
+                    decoding.append(self._decode_pool.submit(self._decode_batch, batch, values, alloc))
+            except BaseException:
+                await conn.disconnect()  # replies may be left unread: never reuse it
+                raise
+            finally:
+                await pool.release(conn)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in decoding))
+        except BaseException:
+            # Decodes already running (or done) hand their objects to the release callback.
+            for fut in decoding:
+                if not fut.cancel():
+                    fut.add_done_callback(_release_decoded)
+            raise
+        return [item for batch_result in results for item in batch_result]
+
+    def _decode_batch(self, keys: Sequence[str], values: list, alloc: AllocFn) -> list:
+        """Runs on the decode thread; returns (MemoryObj or None, counter name) per key."""
+        out: list = []
+        try:
+            for key, value in zip(keys, values):
+                if value is None:
+                    out.append((None, "misses"))
+                    continue
+                try:
+                    obj = codec.decode(value, key, alloc)
+                except codec.CorruptEntry as exc:
+                    logger.warning("corrupt redis value under %r: %s; deleting it", self._rkey(key), exc)
+                    out.append((None, "corrupt"))
+                    continue
+                out.append((obj, "hits" if obj is not None else "alloc_failures"))
+        except BaseException:
+            release_objs(obj for obj, _ in out)
+            raise
+        return out
 
     async def put(self, key: str, obj: MemoryObj) -> bool:
         value = memoryview(codec.encode(key, obj.tensor))
@@ -206,6 +264,7 @@ class RedisBackend(StorageBackend):
             await self._client.connection_pool.disconnect()
         except Exception:  # closing sockets of a dead server must not fail shutdown
             logger.debug("redis close", exc_info=True)
+        self._decode_pool.shutdown(wait=True)
 
     def stats(self) -> dict:
         out = dict(self.counters)

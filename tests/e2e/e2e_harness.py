@@ -6,44 +6,15 @@ than the reference, which changes greedy tokens for reasons unrelated to the cac
 """
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from lmcache_vllm.testing.vllm_jobs import (CONNECTOR, REPO_ROOT, connector_config, random_tokens,  # noqa: F401
+                                            run_job, vllm_env)
+from lmcache_vllm.testing.vllm_jobs import phase_results as phase  # noqa: F401
+
 CHUNK = 256  # chunk_size of every connector config in the e2e tests
 BLOCK = 128  # vLLM's CPU block size
-
-CONNECTOR = {
-    "kv_connector": "LMCacheConnector",
-    "kv_connector_module_path": "lmcache_vllm.integration.vllm",
-    "kv_role": "kv_both",
-}
-
-
-def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False) -> dict[str, str]:
-    """Environment for a vLLM process whose caches, sockets and temp files stay inside `tmp`."""
-    env = dict(os.environ)
-    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH", "TMPDIR"):
-        path = tmp / name.lower()
-        path.mkdir(parents=True, exist_ok=True)
-        env[name] = str(path)
-    env.update({
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-        "PYTHONHASHSEED": str(hash_seed),
-        "TOKENIZERS_PARALLELISM": "false",
-    })
-    env.pop("LMCACHE_CONFIG_FILE", None)
-    for name in list(env):
-        if name.startswith("LMCACHE_") and name != "LMCACHE_VLLM_MODEL_CACHE":
-            env.pop(name)  # the job's own config decides, not the developer's shell
-    return env
 
 
 def llm_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -58,38 +29,7 @@ def llm_kwargs(**overrides: Any) -> dict[str, Any]:
 
 
 def connector(extra: dict[str, Any] | None = None, role: str = "kv_both") -> dict[str, Any]:
-    return dict(CONNECTOR, kv_role=role, kv_connector_extra_config={"chunk_size": CHUNK, **(extra or {})})
-
-
-def run_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0,
-            timeout: int = 600) -> dict[str, Any]:
-    """Runs `job` (see lmcache_vllm.integration.vllm.offline_job) in a new process; returns its output."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    job_path, out_path, log_path = tmp / f"{name}.job.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    job_path.write_text(json.dumps(job))
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lmcache_vllm.integration.vllm.offline_job", str(job_path), str(out_path)],
-            cwd=REPO_ROOT, env=vllm_env(tmp / f"{name}.env", hash_seed=hash_seed), stdout=log,
-            stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0 or not out_path.exists():
-        tail = log_path.read_text()[-6000:]
-        raise AssertionError(f"vLLM job {name} failed (exit {proc.returncode}); log tail:\n{tail}")
-    result = json.loads(out_path.read_text())
-    result["log"] = str(log_path)
-    return result
-
-
-def phase(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    for p in result["phases"]:
-        if p["name"] == name:
-            return p["results"]
-    raise KeyError(name)
-
-
-def random_tokens(seed: int, n: int, vocab: int = 4096) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, vocab) for _ in range(n)]  # 0..3 are special tokens
+    return connector_config({"chunk_size": CHUNK, **(extra or {})}, role=role)
 
 
 def floor_chunk(n: int) -> int:

@@ -45,6 +45,12 @@ def _connector_stats(llm) -> dict[str, Any]:
     return stats
 
 
+def _first_token_latency(output) -> float | None:
+    """vLLM's own time-to-first-token of a request (needs `disable_log_stats=False`), else None."""
+    latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+    return float(latency) if latency else None
+
+
 def _plain(value):
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -78,7 +84,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "name": phase.get("name", ""),
             "wall_s": wall_s,
             "results": [{"tokens": list(o.outputs[0].token_ids),
-                         "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outputs],
+                         "num_cached_tokens": int(o.num_cached_tokens or 0),
+                         "ttft_s": _first_token_latency(o)} for o in outputs],
         })
     result = {"startup_s": startup_s, "phases": phases, "stats": _connector_stats(llm)}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
