@@ -257,3 +257,21 @@ def test_random_sequences_never_overlap_and_end_empty(sequence):
         obj.ref_down()
     assert alloc.used_bytes == 0 and alloc.pinned_bytes == 0
     assert alloc.stats()["free_blocks"] == 1
+
+
+def test_callback_that_keeps_its_ref_cannot_cause_an_endless_loop():
+    alloc = HostAllocator(KiB, pin_memory=False)
+    stubborn = alloc.allocate(KiB, torch.uint8)
+    calls = []
+    stubborn.set_evictor(calls.append)  # "forgets" to drop its reference
+    t0 = time.monotonic()
+    with pytest.raises(AllocationError):
+        alloc.allocate(KiB, torch.uint8, timeout=0.2)
+    assert calls == [stubborn] and time.monotonic() - t0 < 3
+    assert alloc.stats()["evictions"] == 1 and not stubborn.freed
+
+
+def test_arena_pinned_only_with_cuda():
+    alloc = HostAllocator(KiB)
+    assert alloc.pinned_arena == torch.cuda.is_available()
+    assert alloc.arena.is_pinned() == alloc.pinned_arena
