@@ -1,0 +1,97 @@
+"""Chooses how KV layouts move data: the compiled ops (`lmcache_vllm._cpu_ops`, `lmcache_vllm._cuda_ops`,
+built from `cuda_ops/`) when present, the layouts' torch code otherwise.
+
+`compiled_for(device, op_code)` returns the extension module to call, or None for the torch path; the
+choice per device type is logged once. `LMCACHE_VLLM_OPS=torch` (or `set_mode("torch")`, or the
+`forced_torch()` context) makes every layout use torch. Both paths give bit-identical results.
+
+Extension calls (all layers of a chunk in one call; slots < 0 skipped):
+  ext.gather(caches: list[Tensor], slots: LongTensor[T], out: Tensor[L, planes, T, width], op_code, block_size)
+  ext.scatter(chunk: Tensor[L, planes, T, width], caches: list[Tensor], slots, op_code, block_size)
+op_code: 0 cpu vec, 1 cpu amx, 2 flash, 3 mla (see `lmcache_vllm.layouts`).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("auto", "torch")
+_mode = os.environ.get("LMCACHE_VLLM_OPS", "auto").strip().lower() or "auto"
+if _mode not in _MODES:
+    logger.warning("LMCACHE_VLLM_OPS=%r is not one of %s; using 'auto'", _mode, _MODES)
+    _mode = "auto"
+
+_loaded: dict[str, ModuleType | None] = {}
+_logged: set[str] = set()
+
+
+def _load(name: str) -> ModuleType | None:
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(f"lmcache_vllm.{name}")
+        except (ImportError, OSError) as exc:  # not built, or built against another torch
+            logger.debug("lmcache_vllm.%s not available: %s", name, exc)
+            _loaded[name] = None
+    return _loaded[name]
+
+
+def cpu_ext() -> ModuleType | None:
+    """The compiled CPU op module, or None when it was not built."""
+    return _load("_cpu_ops")
+
+
+def cuda_ext() -> ModuleType | None:
+    """The compiled CUDA op module, or None when it was not built (or torch has no CUDA)."""
+    return _load("_cuda_ops") if torch.cuda.is_available() else None
+
+
+def mode() -> str:
+    return _mode
+
+
+def set_mode(new_mode: str) -> None:
+    """'auto' = compiled ops where built, 'torch' = always the torch fallback."""
+    global _mode
+    if new_mode not in _MODES:
+        raise ValueError(f"ops mode must be one of {_MODES}, got {new_mode!r}")
+    _mode = new_mode
+
+
+@contextlib.contextmanager
+def forced_torch() -> Iterator[None]:
+    """Runs the block with the torch fallback (tests and benchmarks compare the two)."""
+    previous = _mode
+    set_mode("torch")
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def compiled_for(device: torch.device, op_code: int | None) -> ModuleType | None:
+    """The extension that handles `op_code` on `device`, or None for the torch path."""
+    ext = None
+    if _mode == "auto" and op_code is not None:
+        ext = cuda_ext() if device.type == "cuda" else cpu_ext() if device.type == "cpu" else None
+        if ext is not None and op_code not in getattr(ext, "SUPPORTED_LAYOUTS", ()):
+            ext = None
+    key = f"{device.type}:{'compiled' if ext is not None else 'torch'}:{_mode}"
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("KV transfer on %s uses %s", device.type,
+                    "the compiled op" if ext is not None else f"the torch fallback (mode {_mode})")
+    return ext
+
+
+def describe() -> dict[str, object]:
+    """What is available, for logs and `lmcache-vllm` diagnostics."""
+    return {"mode": _mode, "cpu_ext": cpu_ext() is not None,
+            "cuda_ext": _load("_cuda_ops") is not None, "cuda_available": torch.cuda.is_available()}
