@@ -209,8 +209,8 @@ void move_run(int64_t layout, const Geometry& g, T* cache, const Segment& run, i
     }
     for (int64_t h = 0; h < H; ++h) {
       if (kGather) {
-        for (int64_t d = 0; d < D; d += n)
-          for (int64_t o = o0; o < o1; o += n) transpose_tile(region(h) + d * bs + o, bs, row(o, h) + d, W);
+        for (int64_t o = o0; o < o1; o += n)
+          for (int64_t d = 0; d < D; d += n) transpose_tile(region(h) + d * bs + o, bs, row(o, h) + d, W);
       } else {
         for (int64_t d = 0; d < D; d += n)
           for (int64_t o = o0; o < o1; o += n) transpose_tile(row(o, h) + d, W, region(h) + d * bs + o, bs);
@@ -228,8 +228,8 @@ void move_run(int64_t layout, const Geometry& g, T* cache, const Segment& run, i
     auto row_pairs = [&](int64_t o, int64_t h) { return reinterpret_cast<P*>(rows) + (o - o0) * Wp + h * Dp; };
     for (int64_t h = 0; h < H; ++h) {
       if (kGather) {
-        for (int64_t k = 0; k < Dp; k += 4)
-          for (int64_t o = o0; o < o1; o += 4) transpose_tile(pairs(h, o) + k * 16, 16, row_pairs(o, h) + k, Wp);
+        for (int64_t o = o0; o < o1; o += 4)
+          for (int64_t k = 0; k < Dp; k += 4) transpose_tile(pairs(h, o) + k * 16, 16, row_pairs(o, h) + k, Wp);
       } else {
         for (int64_t k = 0; k < Dp; k += 4)
           for (int64_t o = o0; o < o1; o += 4) transpose_tile(row_pairs(o, h) + k, Wp, pairs(h, o) + k * 16, 16);

@@ -18,9 +18,10 @@ MODES = ["torch"] + (["compiled"] if ops.cpu_ext() is not None else [])
 
 @pytest.fixture(params=MODES)
 def ops_mode(request):
+    previous = ops.mode()
     ops.set_mode("torch" if request.param == "torch" else "auto")
     yield request.param
-    ops.set_mode("auto")
+    ops.set_mode(previous)
 
 
 def element_offsets(layout, slots: torch.Tensor) -> torch.Tensor:
