@@ -248,7 +248,6 @@ def test_staging_only_l1(tmp_path, make_chunk):
 
 def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
     big = (4, 2, 256, 512)  # 2 MiB chunks; L1 has room for 4.5 of them
-    nbytes = 2 * MiB
     cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.1, max_local_cpu_size=9 * MiB / (1 << 30),
                  extra={"prefetch_hold_secs": 60.0})
     chunks = [make_chunk(i, big) for i in range(8)]

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import torch
+import threading
 from collections import Counter
 from typing import Callable, Optional, Sequence
+
+import torch
 
 from lmcache_vllm.memory import MemoryObj
 
@@ -81,3 +83,30 @@ async def gather_owned(coros) -> list:
             task.cancel()
             task.add_done_callback(_release_task_result)
         raise
+
+
+class Handoff:
+    """Passes MemoryObjs from the loop to a caller that may give up waiting; abandoned ones are freed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._result: Optional[list] = None
+        self._abandoned = False
+
+    def deliver(self, objs: list) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._result = objs
+                self._ready.set()
+                return
+        release_objs(objs)
+
+    def take(self, timeout: float) -> Optional[list]:
+        self._ready.wait(timeout)
+        with self._lock:
+            if self._result is None:
+                self._abandoned = True
+                return None
+            result, self._result = self._result, None
+            return result

@@ -42,47 +42,18 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lmcache_vllm.memory import HostAllocator, MemoryObj
-from lmcache_vllm.storage.base import StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
-from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
-from lmcache_vllm.storage.redis_backend import RedisBackend
+from lmcache_vllm.storage.tiers import build_allocator, build_lower_tiers
 
 logger = logging.getLogger(__name__)
 
-GB = 1 << 30
 KeyLike = Union[str, Any]  # a key string or a CacheKey (anything with to_str())
 
 
 def _key_str(key: KeyLike) -> str:
     return key if isinstance(key, str) else key.to_str()
-
-
-class _Handoff:
-    """Passes MemoryObjs from the loop to a caller that may give up waiting; abandoned ones are freed."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._result: Optional[list] = None
-        self._abandoned = False
-
-    def deliver(self, objs: list) -> None:
-        with self._lock:
-            if not self._abandoned:
-                self._result = objs
-                self._ready.set()
-                return
-        release_objs(objs)
-
-    def take(self, timeout: float) -> Optional[list]:
-        self._ready.wait(timeout)
-        with self._lock:
-            if self._result is None:
-                self._abandoned = True
-                return None
-            result, self._result = self._result, None
-            return result
 
 
 class StorageManager:
@@ -96,35 +67,9 @@ class StorageManager:
         self._holds = PrefetchHolds()
         self._queue_depth = int(extra.get("write_queue_depth", 64))
         self._num_writers = int(extra.get("write_workers", 4))
-        if allocator is None:
-            size_gb = float(getattr(config, "max_local_cpu_size", 5.0))
-            if not getattr(config, "local_cpu", True) and size_gb <= 0:
-                # No L1 cache, but transfers still need an arena to stage chunks in.
-                size_gb = float(extra.get("staging_buffer_size", 1.0))
-            allocator = HostAllocator(int(size_gb * GB))
-        self.allocator = allocator
-        self.l1 = LocalCPUBackend(allocator, keep_entries=bool(getattr(config, "local_cpu", True)))
-        self.lower: list[StorageBackend] = []
-        try:
-            local_disk = getattr(config, "local_disk", None)
-            if local_disk:
-                self.lower.append(LocalDiskBackend(
-                    local_disk, int(float(getattr(config, "max_local_disk_size", 0.0)) * GB),
-                    io_threads=int(extra.get("disk_io_threads", 8)),
-                    fsync=bool(extra.get("disk_fsync", False)), key_filter=key_filter))
-            remote_url = getattr(config, "remote_url", None)
-            if remote_url:
-                self.lower.append(RedisBackend(
-                    remote_url, prefix=str(extra.get("remote_key_prefix", "lmcache_vllm:")),
-                    ttl_secs=extra.get("remote_ttl_secs"),
-                    timeout_secs=float(extra.get("remote_timeout_secs", 2.0)),
-                    max_connections=int(extra.get("remote_max_connections", 16)),
-                    read_groups=int(extra.get("remote_read_groups", 1)),
-                    read_batch_keys=int(extra.get("remote_read_batch_keys", 8)),
-                    breaker_max_secs=float(extra.get("remote_breaker_max_secs", 30.0))))
-        except BaseException:
-            self._close_sync_backends()
-            raise
+        self.allocator = allocator if allocator is not None else build_allocator(config)
+        self.l1 = LocalCPUBackend(self.allocator, keep_entries=bool(getattr(config, "local_cpu", True)))
+        self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
         self._counters: Counter = Counter()
         self._lock = threading.Lock()
         self._pending = 0
@@ -236,7 +181,7 @@ class StorageManager:
                 self._count(f"{tier.name}_misses", asked)
         return objs[:keep]
 
-    async def _fetch_into(self, keys: Sequence[str], handoff: _Handoff) -> None:
+    async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
         try:
             objs = await self._fetch(keys)
         except asyncio.CancelledError:
@@ -337,7 +282,7 @@ class StorageManager:
         self._count("local_cpu_misses", len(ks) - len(out))
         if not self.lower or self._closed:
             return out
-        handoff = _Handoff()
+        handoff = Handoff()
         fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff), self._loop)
         lower = handoff.take(self.get_timeout)
         if lower is None:
@@ -448,11 +393,6 @@ class StorageManager:
                 await asyncio.wait_for(tier.close(), 10.0)
             except Exception:
                 logger.warning("closing %s failed", tier.name, exc_info=True)
-
-    def _close_sync_backends(self) -> None:
-        for tier in self.lower:
-            if isinstance(tier, LocalDiskBackend):
-                asyncio.run(tier.close())
 
     def __enter__(self) -> "StorageManager":
         return self
