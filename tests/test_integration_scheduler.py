@@ -2,6 +2,7 @@
 load and save specs under chunked prefill, preemption, rollback, roles."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -94,7 +95,7 @@ def test_load_spec_then_saves_only_new_chunks():
     assert load.block_ids == blocks[:4]
     (save,) = meta.saves
     assert (save.skip_leading, len(save.token_ids)) == (512, 1024)  # chunks 2 and 3; 1024..1100 partial
-    assert save.token_ids == list(req.all_token_ids[:1024])
+    assert list(save.token_ids) == list(req.all_token_ids[:1024])
 
 
 def test_chunked_prefill_saves_each_chunk_once_and_partial_tail_on_request():
@@ -125,6 +126,25 @@ def test_decode_cache_saved_when_enabled():
         req.append_output_token_ids(7 + tok)
     meta = half.build_connector_meta(cached_step(req, None, computed=259, scheduled=1))
     assert [(s.skip_leading, s.num_tokens) for s in meta.saves] == [(0, 256)]
+    # the cached token array grew with the generated tokens: 250 prompt ids, then 7, 8, ...
+    assert list(meta.saves[0].token_ids) == list(req.all_token_ids[:256])
+
+
+def test_token_ids_are_converted_once_per_request():
+    """Lookup, load and save specs share one int64 array per request (hashing from numpy is fast)."""
+    half, store = make_half(hit=512)
+    seen = []
+    store.lookup = lambda tokens: seen.append(tokens) or 512
+    req = make_request("a", 700)
+    n, _ = half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, None, n)
+    meta = half.build_connector_meta(new_step(req, list(range(6)), computed=512, scheduled=188))
+    (lookup_tokens,) = seen
+    (load,) = meta.loads
+    assert lookup_tokens.dtype == np.int64 and lookup_tokens.tolist() == list(req.all_token_ids)
+    assert np.shares_memory(load.token_ids, lookup_tokens)
+    half.get_num_new_matched_tokens(req, 0)  # asked again (e.g. after preemption): no new conversion
+    assert seen[1] is lookup_tokens
 
 
 def test_preempted_request_resumes_with_new_blocks_and_loads_again():

@@ -35,7 +35,7 @@ def random_tokens(seed: int, n: int, vocab: int = 4096) -> list[int]:
 
 
 def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
-             kv_cache_gib: int = 1) -> dict[str, str]:
+             kv_cache_gib: int = 1, threads_bind: str = "0") -> dict[str, str]:
     """Environment for a vLLM process whose caches, sockets and temp files stay inside `tmp`."""
     env = dict(os.environ)
     for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH", "TMPDIR"):
@@ -43,7 +43,7 @@ def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
         path.mkdir(parents=True, exist_ok=True)
         env[name] = str(path)
     env.update({
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
         "PYTHONHASHSEED": str(hash_seed),
@@ -57,12 +57,15 @@ def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
 
 
 def run_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0, timeout: int = 1800,
-            kv_cache_gib: int = 1) -> dict[str, Any]:
-    """Runs `job` in a new process and returns its output (with "log": the path of its log)."""
+            kv_cache_gib: int = 1, multiprocessing: bool = False, threads_bind: str = "0") -> dict[str, Any]:
+    """Runs `job` in a new process and returns its output (with "log": the path of its log).
+
+    Tensor parallelism needs `multiprocessing=True` and one bound core per rank (`threads_bind="0|1"`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log_path = tmp / f"{name}.job.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     job_path.write_text(json.dumps(job))
-    env = vllm_env(tmp / f"{name}.env", hash_seed=hash_seed, kv_cache_gib=kv_cache_gib)
+    env = vllm_env(tmp / f"{name}.env", hash_seed=hash_seed, kv_cache_gib=kv_cache_gib,
+                   multiprocessing=multiprocessing, threads_bind=threads_bind)
     with open(log_path, "w") as log:
         proc = subprocess.run(
             [sys.executable, "-m", "lmcache_vllm.integration.vllm.offline_job", str(job_path), str(out_path)],

@@ -1,7 +1,8 @@
 """What the scheduler half of the connector tells the worker half for one engine step.
 
 `LMCacheConnectorMetadata` travels inside vLLM's `SchedulerOutput` (pickled to worker processes with
-tensor parallelism), so it holds plain ints and lists only. Per request it carries at most one
+tensor parallelism), so it holds plain ints, lists and numpy arrays only (token ids are one int64 array
+per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them). Per request it carries at most one
 `LoadSpec` (copy a cached prefix into the paged KV cache before the forward) and one `SaveSpec` (copy
 freshly computed KV out of the paged cache after it).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -35,7 +37,7 @@ class LoadSpec:
     """
 
     req_id: str
-    token_ids: list[int]
+    token_ids: np.ndarray  # int64
     block_ids: list[int]
     skip_leading: int
     load_end: int
@@ -54,7 +56,7 @@ class SaveSpec:
     """
 
     req_id: str
-    token_ids: list[int]
+    token_ids: np.ndarray  # int64
     block_ids: list[int]
     skip_leading: int
     is_last: bool = False

@@ -1,8 +1,9 @@
 """The scheduler half of `LMCacheConnector`: which prefix tokens to load and which KV to save.
 
 It runs inside vLLM's scheduler (EngineCore process) and never touches KV tensors. Per request it keeps
-a `RequestTracker` (live `Request`, block ids as vLLM allocates them, how far saves have reached, a
-pending load) and turns vLLM's scheduling decisions into `LoadSpec` / `SaveSpec`s for the worker half.
+a `RequestTracker` (live `Request`, its token ids as one int64 array converted once and shared by
+every lookup, load and save, block ids as vLLM allocates them, how far saves have reached, a pending
+load) and turns vLLM's scheduling decisions into `LoadSpec` / `SaveSpec`s for the worker half.
 
 Rules:
 - Hits come from the workers' `LookupServer`s; a lookup that times out is 0 hits.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
 
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 
@@ -61,9 +64,26 @@ class RequestTracker:
         self.block_ids: list[int] = []
         self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
         self.pending_load: _PendingLoad | None = None
+        self._token_array = np.empty(0, dtype=np.int64)
 
-    def token_ids(self, end: int) -> list[int]:
-        return list(self.request.all_token_ids[:end])
+    def token_array(self) -> np.ndarray:
+        """The request's token ids as one int64 array, converted from vLLM's list once per request.
+
+        Hashing (lookup, save, load) converts token ids to bytes; from a numpy array that is a copy,
+        from a Python list a per-element conversion several times slower. Generated tokens are appended
+        to the cached array; it is never modified in place, so slices handed out stay valid.
+        """
+        all_ids = self.request.all_token_ids
+        have = len(self._token_array)
+        if have != len(all_ids):
+            if have > len(all_ids):  # never seen from vLLM; rebuild rather than trust a stale array
+                have, self._token_array = 0, self._token_array[:0]
+            tail = np.fromiter(all_ids[have:], dtype=np.int64, count=len(all_ids) - have)
+            self._token_array = np.concatenate((self._token_array, tail)) if have else tail
+        return self._token_array
+
+    def token_ids(self, end: int) -> np.ndarray:
+        return self.token_array()[:end]
 
 
 class SchedulerHalf:
@@ -89,11 +109,10 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if not self.can_load:
             return 0, False
-        tokens = request.all_token_ids
-        num_tokens = len(tokens)
+        num_tokens = request.num_tokens
         if num_tokens < self.chunk_size and not self.save_unfull_chunk:
             return 0, False  # nothing this short is ever stored
-        hit = min(self.lookup_client.lookup(list(tokens)), num_tokens)
+        hit = min(self.lookup_client.lookup(self._tracker(request).token_array()), num_tokens)
         self.stats["lookups"] += 1
         self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
         usable = hit - 1 if hit == num_tokens else hit
@@ -104,9 +123,7 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        tracker = self._trackers.get(request.request_id)
-        if tracker is None:
-            tracker = self._trackers[request.request_id] = RequestTracker(request)
+        tracker = self._tracker(request)
         lookup = self._lookups.pop(request.request_id, None)
         tracker.pending_load = None
         if num_external_tokens <= 0:
@@ -156,6 +173,14 @@ class SchedulerHalf:
         return False, None
 
     # ------------------------------------------------------------------ helpers
+    def _tracker(self, request: "Request") -> RequestTracker:
+        # Created at the first lookup (before vLLM allocates), so its token array serves every later
+        # lookup, load and save of the request; dropped when the request finishes.
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None or tracker.request is not request:
+            tracker = self._trackers[request.request_id] = RequestTracker(request)
+        return tracker
+
     def _forget(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)
         self._lookups.pop(req_id, None)

@@ -1,0 +1,166 @@
+"""End to end across vLLM instances through the Redis tier, and what happens when Redis misbehaves.
+
+Four vLLM processes (one compute thread each, see `e2e_harness`), all on one real `redis-server`:
+- `reference`: no connector; the greedy tokens every other run must reproduce.
+- `writer` (process A): host memory + Redis, no disk; answers LONG and GARBLED, which stores their
+  whole chunks in Redis (its shutdown drains the queued writes).
+- `reader` (process B): a fresh process with another PYTHONHASHSEED and its own empty host memory, same
+  Redis: LONG comes from Redis; GARBLED's first chunk was overwritten with garbage bytes before B
+  started, so it is a miss that B recomputes (the garbage is deleted; B stores the chunk afresh).
+- `no_redis`: after the Redis server was killed, a fresh process with the same config still answers
+  LONG correctly, with 0 hits and within a bounded time.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import e2e_harness as h
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+LONG = h.random_tokens(70, 700)
+GARBLED = h.random_tokens(71, 600)
+GARBAGE = b"\x00not a chunk\xff" * 1000
+NO_REDIS_BUDGET_S = 90.0  # the whole job, start-up included, when Redis is down (normally ~15-25 s)
+NO_REDIS_REQUEST_BUDGET_S = 15.0  # one 700-token request; a cold one takes ~1-3 s here
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e_tiers")
+
+
+@pytest.fixture(scope="module")
+def redis_config(redis_server) -> dict[str, Any]:
+    redis_server.ensure_running()
+    # L1 + Redis, no disk: whatever a fresh process finds came from Redis. Short Redis timeouts so the
+    # dead-server run below is quick; a fresh key prefix so counts are this module's own.
+    return {"remote_url": redis_server.url, "max_local_cpu_size": 0.25,
+            "extra_config": {"remote_key_prefix": f"e2e-tiers-{uuid.uuid4().hex[:8]}:",
+                             "remote_timeout_secs": 1.0}}
+
+
+def redis_client(redis_server):
+    import redis
+
+    return redis.Redis.from_url(redis_server.url)
+
+
+def redis_key(config: dict[str, Any], model: str, tokens: list[int], chunk: int) -> str:
+    from lmcache_vllm.storage.codec import FORMAT_VERSION
+    from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
+
+    keys = KeyBuilder(model=model, world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=FORMAT_VERSION,
+                      hasher=ChunkHasher(h.CHUNK)).keys(tokens)
+    return config["extra_config"]["remote_key_prefix"] + keys[chunk][0].to_str()
+
+
+def _decodes(value: bytes) -> str:
+    from lmcache_vllm.storage.codec import CorruptEntry, parse_header
+
+    try:
+        header = parse_header(value)
+    except CorruptEntry as exc:
+        return f"undecodable: {exc!r}"
+    return "valid chunk" if header.header_len + header.payload_len == len(value) else "wrong length"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, work):
+    phases = [{"name": "LONG", "prompts": [LONG]}, {"name": "GARBLED", "prompts": [GARBLED]}]
+    result = h.run_job(work, "reference", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(),
+                                           "phases": phases})
+    return {name: h.phase(result, name)[0]["tokens"] for name in ("LONG", "GARBLED")}
+
+
+@pytest.fixture(scope="module")
+def writer(tiny_model, work, redis_config):
+    phases = [{"name": "long", "prompts": [LONG]}, {"name": "garbled", "prompts": [GARBLED]}]
+    return h.run_job(work, "writer", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(),
+                                      "kv_transfer_config": h.connector(redis_config), "phases": phases},
+                     hash_seed=1)
+
+
+@pytest.fixture(scope="module")
+def reader(tiny_model, work, redis_server, redis_config, writer):
+    client = redis_client(redis_server)
+    try:
+        for tokens in (LONG, GARBLED):
+            for chunk in range(len(tokens) // h.CHUNK):
+                key = redis_key(redis_config, tiny_model, tokens, chunk)
+                assert client.exists(key), f"process A did not store chunk {chunk} in Redis"
+        garbage_key = redis_key(redis_config, tiny_model, GARBLED, 0)
+        client.set(garbage_key, GARBAGE)
+    finally:
+        client.close()
+    phases = [{"name": "long", "prompts": [LONG]}, {"name": "garbled", "prompts": [GARBLED]}]
+    result = h.run_job(work, "reader", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(),
+                                        "kv_transfer_config": h.connector(redis_config), "phases": phases},
+                       hash_seed=2)
+    client = redis_client(redis_server)
+    try:
+        value = client.get(garbage_key)
+        result["garbage_left"] = value == GARBAGE
+        # B deletes the garbage, recomputes the chunk and stores it again: a valid chunk or nothing.
+        result["garbage_key_now"] = "absent" if value is None else "garbage" if value == GARBAGE else \
+            _decodes(value)
+    finally:
+        client.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def no_redis(tiny_model, work, redis_server, redis_config, reader):
+    redis_server.kill()
+    try:
+        started = time.monotonic()
+        phases = [{"name": "long", "prompts": [LONG]}]
+        result = h.run_job(work, "no_redis", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(),
+                                              "kv_transfer_config": h.connector(redis_config),
+                                              "phases": phases},
+                           hash_seed=3, timeout=300)
+        result["job_s"] = time.monotonic() - started
+        return result
+    finally:
+        redis_server.ensure_running()  # a fresh empty server on the same port for later tests
+
+
+def test_writer_matches_reference(writer, reference):
+    assert h.phase(writer, "long")[0]["tokens"] == reference["LONG"]
+    assert h.phase(writer, "garbled")[0]["tokens"] == reference["GARBLED"]
+    assert writer["stats"]["worker"]["stored_tokens"] == h.floor_chunk(len(LONG)) + h.floor_chunk(len(GARBLED))
+
+
+def test_fresh_process_hits_from_redis(reader, reference):
+    long = h.phase(reader, "long")[0]
+    assert long["num_cached_tokens"] >= h.floor_chunk(len(LONG)) == 512
+    assert long["tokens"] == reference["LONG"]
+    stats = reader["stats"]
+    assert stats["worker"]["loaded_tokens"] >= 512
+    assert stats["storage"].get("redis_hits", 0) >= 2, stats["storage"]  # its own L1 started empty
+
+
+def test_garbage_bytes_in_redis_are_a_miss(reader, reference):
+    garbled = h.phase(reader, "garbled")[0]
+    assert garbled["tokens"] == reference["GARBLED"]
+    stats = reader["stats"]
+    assert stats["storage"]["corrupt_entries"] >= 1
+    assert stats["worker"]["failed_load_tokens"] >= 1
+    assert not reader["garbage_left"]
+    assert reader["garbage_key_now"] in ("absent", "valid chunk"), reader["garbage_key_now"]
+
+
+def test_dead_redis_is_a_bounded_miss(no_redis, reference):
+    long = h.phase(no_redis, "long")[0]
+    assert long["num_cached_tokens"] == 0
+    assert long["tokens"] == reference["LONG"]
+    assert no_redis["stats"]["storage"].get("redis.errors", 0) >= 1  # Redis was tried and failed
+    assert no_redis["job_s"] < NO_REDIS_BUDGET_S, no_redis["job_s"]
+    # the request itself (lookup, prefill of 700 tokens, 8 decode steps) must not wait out timeouts
+    assert no_redis["phases"][0]["wall_s"] < NO_REDIS_REQUEST_BUDGET_S, no_redis["phases"][0]["wall_s"]
