@@ -8,8 +8,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
-# Keep vLLM's and torch's caches inside the run's own temp dir.
-export TMPDIR=${TMPDIR:-$(mktemp -d)}
+# Everything the tests write under the temp dir (vLLM's caches and sockets, pytest's tmp_path) goes into
+# one short-named directory that is removed afterwards.
+TMPDIR=$(mktemp -d /tmp/lmv-test-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" = 5 ]; then

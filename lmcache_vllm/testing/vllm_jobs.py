@@ -12,10 +12,12 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_MAX_RPC_DIR_LEN = 60  # + "/" + a 36-character uuid stays well inside a Unix socket path
 
 CONNECTOR = {
     "kv_connector": "LMCacheConnector",
@@ -42,6 +44,9 @@ def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
         path = tmp / name.lower()
         path.mkdir(parents=True, exist_ok=True)
         env[name] = str(path)
+    if len(env["VLLM_RPC_BASE_PATH"]) > _MAX_RPC_DIR_LEN:
+        # vLLM puts ZMQ ipc sockets (dir + "/" + uuid4) there; a Unix socket path holds 107 bytes.
+        env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="lmv-rpc-")
     env.update({
         "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
