@@ -8,14 +8,15 @@ scattered-slots case (random slots with holes and -1) where the per-token path r
 kernels into device memory and into pinned host memory against a device-to-device copy and a raw pinned
 copy of the same bytes.
 
-    python benchmarks/bench_ops.py [--quick] [--json FILE]
-Ratios (`*_ratio`): op_vs_torch = torch time / op time (target >= 2); op_vs_copy = copy time / op time
+    python benchmarks/bench_ops.py [--quick] [--json FILE] [--threads N] [--isa auto|avx512|sse2|scalar]
+Ratios (`*_ratio`, best rounds; `*_median_ratio`: median of same-round ratios): op_vs_torch = torch time / op time (target >= 2); op_vs_copy = copy time / op time
 (target >= 0.9), for gather (store), scatter (retrieve) and both together.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Callable
@@ -33,13 +34,16 @@ def timed(fn: Callable[[], None], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def interleaved(contenders: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict[str, float]:
+def interleaved(contenders: dict[str, Callable[[], None]], rounds: int, calls: int,
+                samples_out: dict[str, list[float]] | None = None) -> dict[str, float]:
     for fn in contenders.values():
         fn()  # warm up: first touch of pages, plan cache
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
             samples[name].append(timed(fn, calls))
+    if samples_out is not None:
+        samples_out.update(samples)
     # Best of the rounds: on a shared, noisy machine the minimum is the uncontended speed.
     return {name: min(values) for name, values in samples.items()}
 
@@ -77,7 +81,8 @@ def bench_cpu(isa: str, slots_kind: str, rounds: int, calls: int, results: dict)
     if ops.cpu_ext() is not None:
         contenders["op_gather"] = with_mode("auto", lambda: layout.gather(caches, slots, chunk))
         contenders["op_scatter"] = with_mode("auto", lambda: layout.scatter(chunk, caches, slots))
-    t = interleaved(contenders, rounds, calls)
+    samples: dict[str, list[float]] = {}
+    t = interleaved(contenders, rounds, calls, samples)
     tag = f"cpu_{isa}_{slots_kind}"
     gib = chunk.numel() * chunk.element_size() / 2**30
     print(f"\n{tag}: {layers} layers x {heads} heads x {head_size} x {tokens} tokens bf16 ({gib * 1024:.0f} MiB)")
@@ -95,6 +100,9 @@ def bench_cpu(isa: str, slots_kind: str, rounds: int, calls: int, results: dict)
             "op_vs_copy_gather_ratio": t["copy"] / t["op_gather"],
             "op_vs_copy_scatter_ratio": t["copy"] / t["op_scatter"],
             "op_vs_copy_store_retrieve_ratio": 2 * t["copy"] / (t["op_gather"] + t["op_scatter"]),
+            # Same round only (ours and the copy saw the same machine load), median over the rounds.
+            "op_vs_copy_store_retrieve_median_ratio": statistics.median(
+                2 * c / (g + s) for c, g, s in zip(samples["copy"], samples["op_gather"], samples["op_scatter"])),
         })
     for name, value in ratios.items():
         print(f"  {name:<40}{value:>7.2f}")
@@ -144,12 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     parser.add_argument("--json", metavar="FILE", help="write one flat JSON object of results")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--isa", default="auto", help="compiled CPU kernels: auto, avx512, sse2 or scalar")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds, calls = (7, 3) if args.quick else (21, 5)
     results: dict[str, object] = {"threads": torch.get_num_threads(), "cpu_ext": ops.cpu_ext() is not None}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled CPU op: {results['cpu_ext']}")
+    parser_isa = args.isa
+    if ops.cpu_ext() is not None:
+        results["cpu_isa"] = ops.cpu_ext().set_isa(parser_isa)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled CPU op: {results['cpu_ext']} "
+          f"(kernels: {results.get('cpu_isa')})")
     for isa in ("vec", "amx"):
         bench_cpu(isa, "blocks", rounds, calls, results)
     bench_cpu("vec", "midblock", max(3, rounds // 2), calls, results)

@@ -97,6 +97,79 @@ def test_cpu_op_other_dtypes(dtype):
     assert torch.equal(a, b)
 
 
+def _isas() -> list[str]:
+    if cpu_ext is None:
+        return []
+    best = cpu_ext.set_isa("auto")
+    return ["scalar", "sse2", "avx512"][: ["scalar", "sse2", "avx512"].index(best) + 1]
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    cpu_ext.set_isa("auto")
+
+
+def _misaligned_like(shape, dtype) -> torch.Tensor:
+    """A contiguous tensor whose data starts 2 bytes past a 64-byte line (no non-temporal stores)."""
+    count = 1
+    for n in shape:
+        count *= n
+    return torch.zeros(count + 32, dtype=dtype)[1:1 + count].view(shape)
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("kind,dtype,head_size,block_size,slots_kind,aligned", [
+    ("vec", torch.bfloat16, 128, 128, "whole_blocks", True), ("vec", torch.bfloat16, 128, 128, "midblock", True),
+    ("vec", torch.bfloat16, 64, 32, "holes", False), ("vec", torch.float32, 64, 32, "midblock", True),
+    ("vec", torch.float32, 48, 16, "holes", True), ("amx", torch.bfloat16, 128, 128, "midblock", True),
+    ("amx", torch.bfloat16, 128, 64, "whole_blocks", False), ("amx", torch.bfloat16, 48, 32, "holes", True),
+    ("flash", torch.bfloat16, 64, 16, "holes", True), ("mla", torch.bfloat16, 64, 16, "holes", True),
+])
+def test_every_cpu_kernel_set_matches_torch(restore_isa, isa, kind, dtype, head_size, block_size, slots_kind,
+                                            aligned):
+    """Each kernel set this CPU can run (scalar and sse2 are the portable paths of machines without AVX-512),
+    whole-line non-temporal stores (aligned) and cached stores (misaligned chunk), partial blocks at both ends."""
+    assert cpu_ext.set_isa(isa) == isa
+    gen = torch.Generator().manual_seed(head_size + block_size)
+    blocks, heads = 6, 2 if kind != "mla" else 1
+    caches = cpu_caches(kind, 2, blocks, heads, head_size, block_size, dtype, gen)
+    if slots_kind == "midblock":  # partial, whole, partial block: edges go through the narrower kernels
+        slots = torch.arange(block_size + 5, 3 * block_size + 21)
+    else:
+        slots = slot_mapping(slots_kind, blocks, block_size, gen)
+    layout = detect_layout(caches, **hint(kind))
+    shape = layout.chunk_shape(slots.numel())
+    via_op = torch.zeros(shape, dtype=dtype) if aligned else _misaligned_like(shape, dtype)
+    layout.gather(caches, slots, via_op)
+    via_torch = torch.zeros(shape, dtype=dtype)
+    with ops.forced_torch():
+        layout.gather(caches, slots, via_torch)
+    assert torch.equal(bits(via_op), bits(via_torch))
+
+    chunk = torch.randn(shape, generator=gen).to(dtype)
+    into_op = [torch.randn(c.shape, generator=gen).to(dtype) for c in caches]
+    into_torch = [c.clone() for c in into_op]
+    layout.scatter(chunk, into_op, slots)
+    with ops.forced_torch():
+        layout.scatter(chunk, into_torch, slots)
+    for a, b in zip(into_op, into_torch):
+        assert torch.equal(bits(a), bits(b))
+
+
+@needs_cpu_ext
+def test_cpu_isa_env_and_switch(restore_isa):
+    code = "from lmcache_vllm import ops; print(ops.cpu_ext().isa())"
+    for forced in ("sse2", "scalar"):
+        env = dict(os.environ, LMCACHE_VLLM_CPU_ISA=forced)
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert result.stdout.split() == [forced], result.stderr
+    with pytest.raises(RuntimeError, match="unknown isa"):
+        cpu_ext.set_isa("neon")
+    assert cpu_ext.set_isa("auto") == cpu_ext.isa() == _isas()[-1]
+
+
 def _vllm_cpu_op():
     try:
         import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
