@@ -2,14 +2,19 @@
 process, and vLLM's own prefix-cache hit as the limit; plus request throughput with 0 % reuse, with and
 without the connector (what the cache costs when it never helps).
 
-    python benchmarks/bench_e2e_ttft.py [--quick] [--json FILE] [--png FILE]
+    python benchmarks/bench_e2e_ttft.py [--quick] [--json FILE] [--png FILE] [--sync-save]
 
 Full: the `medium` local Llama (8 layers, hidden 1024) and ~4K-token prompts. --quick: the `tiny` model
 and ~1.5K-token prompts. Each configuration runs in its own vLLM process (in-process engine, one compute
 thread bound to core 0 for every run, so all are comparable). TTFT is the wall time of a request with
-max_tokens=1. Ratios (> 1 = lmcache-vllm better): `warm_l1_vs_prefix_cache_ratio` = vLLM prefix-cache
+max_tokens=1, best of the repeats (the shared machine's noise only adds time); vLLM's own per-request TTFT (its `first_token_latency`) is reported beside it as `*_vllm_s`.
+
+The fresh process is measured twice, honestly labelled: its *first* request (the disk hit pays vLLM's
+one-time first-request costs too) and a disk hit *after one warm-up request* (a short unrelated prompt),
+which isolates what the cache itself costs. Ratios (> 1 = lmcache-vllm better): `warm_l1_vs_prefix_cache_ratio` = vLLM prefix-cache
 TTFT / our warm TTFT (target >= 1/1.2), `fresh_disk_speedup_ratio` = cold / fresh-process disk TTFT
-(target >= 5), `zero_reuse_throughput_ratio` = requests/s with / without connector (target >= 0.98).
+(target >= 5), `fresh_disk_after_warmup_speedup_ratio` the same after the warm-up request,
+`zero_reuse_throughput_ratio` = requests/s with / without connector (target >= 0.98).
 """
 from __future__ import annotations
 
@@ -34,6 +39,12 @@ def _walls(result: dict, prefix: str) -> list[float]:
     return [p["wall_s"] for p in result["phases"] if p["name"].startswith(prefix)]
 
 
+def _vllm_ttfts(result: dict, prefix: str) -> list[float]:
+    """vLLM's own time to first token of each request of the phases (needs disable_log_stats=False)."""
+    return [r["ttft_s"] for p in result["phases"] if p["name"].startswith(prefix) for r in p["results"]
+            if r.get("ttft_s") is not None] or [float("nan")]
+
+
 def _cached(result: dict, prefix: str) -> list[int]:
     return [r["num_cached_tokens"] for p in result["phases"] if p["name"].startswith(prefix)
             for r in p["results"]]
@@ -44,32 +55,45 @@ def _tokens_of(result: dict, prefix: str) -> list[list[int]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--png", default=os.path.join(REPO_ROOT, "bench_out", "e2e_ttft.png"), help="bar chart file"))
-    size, prompt_len, repeats, batch = ("tiny", 1500, 2, 4) if args.quick else ("medium", 4000, 2, 4)
+    def add_arguments(p) -> None:
+        p.add_argument("--png", default=os.path.join(REPO_ROOT, "bench_out", "e2e_ttft.png"), help="bar chart file")
+        p.add_argument("--sync-save", action="store_true",
+                       help="store inside the step (extra_config async_save=false), to compare with the default")
+
+    args = parse_args(__doc__.splitlines()[0], add_arguments)
+    size, prompt_len, repeats, batch, fresh_runs = (("tiny", 1500, 2, 4, 1) if args.quick
+                                                   else ("medium", 4000, 3, 4, 2))
     from lmcache_vllm.testing.local_model import build_model
 
     model = str(build_model(size))
     kwargs = {"dtype": "bfloat16", "max_model_len": prompt_len + 256, "enforce_eager": True, "seed": 0,
-              "max_num_batched_tokens": max(8192, batch * (prompt_len + 64)), "enable_prefix_caching": False}
+              "max_num_batched_tokens": max(8192, batch * (prompt_len + 64)), "enable_prefix_caching": False,
+              "disable_log_stats": False}
     one = {"max_tokens": 1}
     cold_prompts = [_tokens(100 + i, prompt_len) for i in range(repeats)]
     batches = [[_tokens(1000 + 50 * b + i, prompt_len) for i in range(batch)] for b in range(2)]
+    warmup_prompt = _tokens(7, 200)  # shorter than a chunk: never stored, never a hit
     throughput_phases = [{"name": f"batch{b}", "prompts": p, "max_tokens": 16} for b, p in enumerate(batches)]
 
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmpdir:
         tmp = Path(tmpdir)
         extra = {"chunk_size": 256, "max_local_cpu_size": 2.0, "local_disk": str(tmp / "l2"),
-                 "max_local_disk_size": 4.0}
+                 "max_local_disk_size": 4.0, "extra_config": {"async_save": not args.sync_save}}
         ours = _run(tmp, "ours", {"model": model, "llm_kwargs": kwargs,
                                   "kv_transfer_config": dict(CONNECTOR, kv_connector_extra_config=extra),
                                   "phases": [{"name": f"cold{i}", "prompts": [p], **one} for i, p in enumerate(cold_prompts)]
-                                  + [{"name": f"warm{r}", "prompts": [cold_prompts[0]], **one} for r in range(repeats)]
+                                  + [{"name": f"warm{r}", "prompts": [p], **one} for r, p in enumerate(cold_prompts)]
                                   + throughput_phases}, hash_seed=1)
-        fresh = _run(tmp, "fresh", {"model": model, "llm_kwargs": kwargs,
-                                    "kv_transfer_config": dict(CONNECTOR, kv_connector_extra_config=extra),
-                                    "phases": [{"name": f"disk{i}", "prompts": [p], **one}
-                                               for i, p in enumerate(cold_prompts)]}, hash_seed=2)
+        fresh = {"phases": []}
+        for run in range(fresh_runs):  # each process: a disk hit first, then a warm-up, then more hits
+            order = cold_prompts[run % repeats:] + cold_prompts[:run % repeats]
+            fresh["phases"] += _run(tmp, f"fresh{run}", {
+                "model": model, "llm_kwargs": kwargs,
+                "kv_transfer_config": dict(CONNECTOR, kv_connector_extra_config=extra),
+                "phases": [{"name": "disk_first", "prompts": [order[0]], **one},
+                           {"name": "warmup", "prompts": [warmup_prompt], **one}]
+                + [{"name": f"disk_warmed{i}", "prompts": [p], **one} for i, p in enumerate(order[1:])]},
+                hash_seed=2 + run)["phases"]
         vllm_pc = _run(tmp, "vllm_prefix_cache", {
             "model": model, "llm_kwargs": dict(kwargs, enable_prefix_caching=True),
             "phases": [{"name": "cold", "prompts": [cold_prompts[0]], **one}]
@@ -78,22 +102,34 @@ def main() -> None:
                                            "phases": [{"name": f"cold{i}", "prompts": [p], **one}
                                                       for i, p in enumerate(cold_prompts)] + throughput_phases})
 
-    cold = statistics.median(_walls(ours, "cold"))
-    cold_plain = statistics.median(_walls(plain, "cold"))
+    # Best of N everywhere: on a shared machine the noise only ever adds time.
+    cold = min(_walls(ours, "cold"))
+    cold_plain = min(_walls(plain, "cold"))
     warm = min(_walls(ours, "warm"))
-    disk = min(_walls(fresh, "disk"))
+    disk = min(_walls(fresh, "disk_first"))
+    disk_warmed = min(_walls(fresh, "disk_warmed"))
     pc_hit = min(_walls(vllm_pc, "hit"))
     tput_ours = batch / min(_walls(ours, "batch"))
     tput_plain = batch / min(_walls(plain, "batch"))
     hit_expected = prompt_len - prompt_len % 256
     results = {
-        "model": size, "prompt_tokens": prompt_len, "batch_requests": batch,
+        "model": size, "prompt_tokens": prompt_len, "batch_requests": batch, "async_save": not args.sync_save,
         "cold_ttft_s": cold, "cold_ttft_no_connector_s": cold_plain, "warm_l1_ttft_s": warm,
-        "fresh_process_disk_ttft_s": disk, "vllm_prefix_cache_ttft_s": pc_hit,
+        "fresh_process_disk_ttft_s": disk, "fresh_process_disk_after_warmup_ttft_s": disk_warmed,
+        "vllm_prefix_cache_ttft_s": pc_hit,
+        "cold_ttft_vllm_s": min(_vllm_ttfts(ours, "cold")),
+        "cold_ttft_no_connector_vllm_s": min(_vllm_ttfts(plain, "cold")),
+        "cold_ttft_median_s": statistics.median(_walls(ours, "cold")),
+        "cold_ttft_no_connector_median_s": statistics.median(_walls(plain, "cold")),
+        "warm_l1_ttft_vllm_s": min(_vllm_ttfts(ours, "warm")),
+        "fresh_process_disk_ttft_vllm_s": min(_vllm_ttfts(fresh, "disk_first")),
+        "fresh_process_disk_after_warmup_ttft_vllm_s": min(_vllm_ttfts(fresh, "disk_warmed")),
+        "vllm_prefix_cache_ttft_vllm_s": min(_vllm_ttfts(vllm_pc, "hit")),
         "warm_cached_tokens": min(_cached(ours, "warm")), "fresh_cached_tokens": min(_cached(fresh, "disk")),
         "zero_reuse_requests_per_s": tput_ours, "zero_reuse_requests_per_s_no_connector": tput_plain,
         "warm_l1_vs_prefix_cache_ratio": pc_hit / warm,
         "fresh_disk_speedup_ratio": cold / disk,
+        "fresh_disk_after_warmup_speedup_ratio": cold / disk_warmed,
         "warm_l1_speedup_ratio": cold / warm,
         "zero_reuse_throughput_ratio": tput_ours / tput_plain,
         "cold_with_vs_without_connector_ratio": cold_plain / cold,
@@ -102,12 +138,17 @@ def main() -> None:
     }
     print_table(f"TTFT, {size} model, {prompt_len}-token prompt (s)", [
         ("cold (connector on)", cold, 1.0), ("cold (no connector)", cold_plain, cold_plain / cold),
-        ("warm, host memory", warm, cold / warm), ("warm, fresh process from disk", disk, cold / disk),
+        ("warm, host memory", warm, cold / warm),
+        ("fresh process from disk, first request", disk, cold / disk),
+        ("fresh process from disk, after 1 warm-up request", disk_warmed, cold / disk_warmed),
         ("vLLM prefix-cache hit (limit)", pc_hit, cold / pc_hit)], ("case", "ttft_s", "speedup_vs_cold"))
     print_table(f"0 % reuse, {batch} requests x {prompt_len} tokens, 16 output tokens", [
         ("with connector", tput_ours), ("without connector", tput_plain)], ("case", "requests_per_s"))
     print(f"\nwarm L1 = {warm / pc_hit:.2f}x vLLM prefix-cache hit (target <= 1.2x)")
-    print(f"fresh-process disk = {disk / cold:.3f}x cold (target <= 0.2x)")
+    print(f"fresh-process disk = {disk / cold:.3f}x cold as first request, {disk_warmed / cold:.3f}x after a "
+          f"warm-up request (target <= 0.2x); the difference is vLLM's one-time first-request cost")
+    print("vLLM's own TTFT (s): " + ", ".join(f"{k[:-len('_vllm_s')]}={v:.3f}" for k, v in results.items()
+                                              if k.endswith("_vllm_s")))
     print(f"0 %-reuse throughput = {tput_ours / tput_plain:.3f}x without connector (target >= 0.98x)")
     for key, value in results.items():
         if key.endswith("_ratio"):
@@ -124,10 +165,12 @@ def _plot(path: str, r: dict) -> None:
     except ImportError:
         print("matplotlib not installed: no chart")
         return
-    labels = ["cold", "warm\nhost memory", "fresh process\ndisk", "vLLM prefix\ncache hit"]
-    values = [r["cold_ttft_s"], r["warm_l1_ttft_s"], r["fresh_process_disk_ttft_s"], r["vllm_prefix_cache_ttft_s"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(labels, values, color=["#999999", "#2b7bba", "#5aa05a", "#d98c1f"])
+    labels = ["cold", "warm\nhost memory", "fresh process\ndisk, 1st req", "fresh process\ndisk, warmed",
+              "vLLM prefix\ncache hit"]
+    values = [r["cold_ttft_s"], r["warm_l1_ttft_s"], r["fresh_process_disk_ttft_s"],
+              r["fresh_process_disk_after_warmup_ttft_s"], r["vllm_prefix_cache_ttft_s"]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(labels, values, color=["#999999", "#2b7bba", "#5aa05a", "#8cc08c", "#d98c1f"])
     ax.set_yscale("log")
     ax.set_ylabel("time to first token (s, log scale)")
     ax.set_title(f"lmcache-vllm TTFT, {r['model']} model, {r['prompt_tokens']}-token prompt")

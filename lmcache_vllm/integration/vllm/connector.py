@@ -124,6 +124,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                 engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,
                                                                  world_size),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
+                async_save=bool(self.config.extra_config.get("async_save", True)),
                 lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None)
         logger.info("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)
@@ -136,6 +137,12 @@ class LMCacheConnector(KVConnectorBase_V1):
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this at the start of every step, before it zeroes or writes any block: background
+        # saves of the previous step must have copied their blocks out by then.
+        if self._worker is not None:
+            self._worker.drain_saves()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

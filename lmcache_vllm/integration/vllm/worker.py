@@ -5,7 +5,13 @@ It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache
   `LookupServer`;
 - `start_load_kv` retrieves each `LoadSpec` before the forward (all layers at once, or layer by layer
   driven by `wait_for_layer_load` when `use_layerwise`);
-- `save_kv_layer` / `wait_for_save` store each `SaveSpec` after the layers computed it;
+- `save_kv_layer` / `wait_for_save` store each `SaveSpec` after the layers computed it. Whole-step
+  saves (not layerwise) run on a background thread: the copy out of the paged cache (the gather) then
+  overlaps vLLM's sampling and scheduling instead of delaying the step's tokens. `drain_saves` waits for
+  them; the connector calls it in `handle_preemptions`, which vLLM runs at the start of every step before
+  any block is zeroed or written, so a gather never races a reuse of its blocks. A lookup waits for
+  pending saves that share its first chunk, so a prompt sent right after another still finds what that
+  one stored (and an unrelated prompt does not wait);
 - tokens that could not be loaded are reported by block id through `get_block_ids_with_load_errors`,
   and vLLM recomputes them. A request whose load failed in a step saves nothing in that step, so KV
   computed on top of a hole is never stored.
@@ -14,9 +20,12 @@ Every failure here is logged and turned into a miss; none propagates into vLLM's
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generator
 
+import numpy as np
 import torch
 
 from lmcache_vllm.integration.vllm.lookup import LookupServer
@@ -60,7 +69,7 @@ class WorkerHalf:
     """
 
     def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
-                 lookup_address: str | None):
+                 lookup_address: str | None, async_save: bool = True):
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.use_layerwise = use_layerwise
@@ -71,7 +80,17 @@ class WorkerHalf:
         self.layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._step = _StepState()
-        self.stats = WorkerStats()
+        self._stats = WorkerStats()
+        self.async_save = async_save and not use_layerwise
+        self._saver: ThreadPoolExecutor | None = None
+        self._pending_saves: list[tuple[Future, list[SaveSpec]]] = []
+        self._pending_lock = threading.Lock()
+
+    @property
+    def stats(self) -> WorkerStats:
+        # Counters include every save handed to the background thread so far.
+        self.drain_saves()
+        return self._stats
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -79,16 +98,48 @@ class WorkerHalf:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.kv_caches = list(kv_caches.values())
         self.engine = self._engine_factory(kv_caches)
+        if self.async_save:
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save")
         if self.lookup_address is not None:
             self.lookup_server = LookupServer(self.lookup_address, self._lookup)
         logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                     getattr(self.engine, "layout", None), self.lookup_address)
 
     def _lookup(self, token_ids) -> int:
+        if self._pending_save_shares_prefix(token_ids):
+            self.drain_saves()  # chunks a just-finished request is still storing count as present
         engine = self.engine
         return 0 if engine is None else int(engine.lookup(token_ids))
 
+    def _pending_save_shares_prefix(self, token_ids) -> bool:
+        """Whether a background save still running stores the first chunk of `token_ids` (without a
+        common first chunk it cannot add to this prompt's hit)."""
+        with self._pending_lock:
+            pending = [specs for future, specs in self._pending_saves if not future.done()]
+        if not pending or self.engine is None:
+            return False
+        first = min(len(token_ids), self.engine.keys.chunk_size)
+        head = np.asarray(token_ids[:first], dtype=np.int64)
+        return any(len(spec.token_ids) >= first and
+                   np.array_equal(np.asarray(spec.token_ids[:first], dtype=np.int64), head)
+                   for specs in pending for spec in specs)
+
+    def drain_saves(self) -> None:
+        """Waits until every background save handed out so far has finished (each catches its errors)."""
+        # Every caller waits for all saves pending when it came (the lookup thread and the step may
+        # drain at the same time); only finished ones leave the list.
+        with self._pending_lock:
+            pending = [future for future, _ in self._pending_saves]
+        for future in pending:
+            future.result()
+        with self._pending_lock:
+            self._pending_saves = [(f, specs) for f, specs in self._pending_saves if not f.done()]
+
     def shutdown(self) -> None:
+        self.drain_saves()
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
+            self._saver = None
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
@@ -98,6 +149,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
+        self.drain_saves()  # normally done already in handle_preemptions; cheap when nothing is pending
         self._step = _StepState()
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
@@ -124,13 +176,13 @@ class WorkerHalf:
             loaded = torch.zeros(num, dtype=torch.bool)
         missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
         num_missing = int(missing.sum())
-        self.stats.loaded_tokens += int(wanted.sum()) - num_missing
+        self._stats.loaded_tokens += int(wanted.sum()) - num_missing
         if num_missing:
             positions = torch.nonzero(missing).flatten().tolist()
             bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
             self._load_errors.update(bad_blocks)
             self._step.failed_loads.add(spec.req_id)
-            self.stats.failed_load_tokens += num_missing
+            self._stats.failed_load_tokens += num_missing
             logger.warning("request %s: %d of %d tokens could not be loaded; %d blocks reported for "
                            "recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
 
@@ -168,7 +220,7 @@ class WorkerHalf:
                 self._step.storers.remove(storer)
             except Exception:
                 logger.exception("layerwise store failed at layer %d", layer)
-                self.stats.failed_saves += 1
+                self._stats.failed_saves += 1
                 self._step.storers.remove(storer)
 
     def _start_layerwise_store(self, spec: SaveSpec):
@@ -177,7 +229,7 @@ class WorkerHalf:
             return self.engine.store_layer(tokens, self.kv_caches, slots, mask)
         except Exception:
             logger.exception("request %s: store failed", spec.req_id)
-            self.stats.failed_saves += 1
+            self._stats.failed_saves += 1
             return None
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
@@ -191,30 +243,41 @@ class WorkerHalf:
                 self._finish_store(storer)
             self._step.storers = []
             return
-        for spec in self._saves(meta):
+        saves = self._saves(meta)
+        if not saves:
+            return
+        if self._saver is None:
+            self._store_all(saves)
+            return
+        future = self._saver.submit(self._store_all, saves)
+        with self._pending_lock:
+            self._pending_saves.append((future, saves))
+
+    def _store_all(self, saves: list[SaveSpec]) -> None:
+        for spec in saves:
             try:
                 tokens, slots, mask = self._save_args(spec)
-                self.stats.stored_tokens += int(self.engine.store(tokens, self.kv_caches, slots, mask))
+                self._stats.stored_tokens += int(self.engine.store(tokens, self.kv_caches, slots, mask))
             except Exception:
                 logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
-                self.stats.failed_saves += 1
+                self._stats.failed_saves += 1
 
     def _finish_store(self, storer: Generator) -> None:
         try:
             while True:
                 next(storer)
         except StopIteration as stop:
-            self.stats.stored_tokens += int(stop.value or 0)
+            self._stats.stored_tokens += int(stop.value or 0)
         except Exception:
             logger.exception("layerwise store failed while committing")
-            self.stats.failed_saves += 1
+            self._stats.failed_saves += 1
 
     def _saves(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
         saves = []
         for spec in meta.saves:
             if spec.req_id in self._step.failed_loads:
                 # Its KV past the hole was computed against missing context: not worth keeping.
-                self.stats.skipped_saves_after_failed_load += 1
+                self._stats.skipped_saves_after_failed_load += 1
                 continue
             saves.append(spec)
         return saves

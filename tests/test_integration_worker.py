@@ -1,0 +1,100 @@
+"""WorkerHalf on plain tensors with a real CacheEngine: background saves, draining, load after save."""
+import threading
+
+import torch
+
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+from lmcache_vllm.integration.vllm.worker import WorkerHalf
+from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine
+
+
+def _worker(engine, caches, async_save=True):
+    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=False,
+                        lookup_address=None, async_save=async_save)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    return worker
+
+
+def _save_meta(tokens, block_ids):
+    return LMCacheConnectorMetadata(saves=[SaveSpec(req_id="a", token_ids=tokens, block_ids=block_ids,
+                                                    skip_leading=0, is_last=True)])
+
+
+def test_background_save_then_load_round_trips():
+    caches = make_caches(True, seed=3)
+    worker = _worker(make_engine(), caches)
+    try:
+        tokens = list(range(500, 500 + 3 * CHUNK))
+        blocks = list(range(10, 10 + 3 * CHUNK // BLOCK))
+        worker.begin_step()
+        worker.wait_for_save(_save_meta(tokens, blocks))
+        assert worker._saver is not None  # the save went to the background thread
+        # A lookup waits for the pending save, so a prompt sent right after finds it.
+        assert worker._lookup(tokens) == 3 * CHUNK
+        assert worker.stats.stored_tokens == 3 * CHUNK
+
+        # Load into other blocks of the same caches, then compare the KV.
+        new_blocks = list(range(40, 40 + 3 * CHUNK // BLOCK))
+        worker.begin_step()
+        worker.start_load_kv(LMCacheConnectorMetadata(loads=[LoadSpec(
+            req_id="b", token_ids=tokens, block_ids=new_blocks, skip_leading=0, load_end=len(tokens))]))
+        assert worker.take_load_errors() == set()
+        old = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in blocks])
+        new = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in new_blocks])
+        engine = worker.engine
+        assert torch.equal(kv_of(engine, caches, old), kv_of(engine, caches, new))
+    finally:
+        worker.shutdown()
+
+
+def test_drain_waits_for_the_gather_before_blocks_are_reused():
+    caches = make_caches(True, seed=4)
+    engine = make_engine()
+    worker = _worker(engine, caches)
+    release = threading.Event()
+    real_store = engine.store
+
+    def slow_store(*args, **kwargs):  # holds the background save until the test lets it go
+        release.wait(5)
+        return real_store(*args, **kwargs)
+
+    engine.store = slow_store
+    try:
+        tokens = list(range(900, 900 + 2 * CHUNK))
+        blocks = list(range(0, 2 * CHUNK // BLOCK))
+        expected = kv_of(engine, caches, torch.arange(2 * CHUNK))
+        worker.wait_for_save(_save_meta(tokens, blocks))
+        # An unrelated prompt's lookup does not wait for the pending save; one sharing its prefix does.
+        assert worker._lookup(list(range(5000, 5000 + 2 * CHUNK))) == 0
+        hits = []
+        threading.Thread(target=lambda: hits.append(worker._lookup(tokens)), daemon=True).start()
+        drained = threading.Event()
+        threading.Thread(target=lambda: (worker.drain_saves(), drained.set()), daemon=True).start()
+        assert not drained.wait(0.2)  # the next step may not start while the gather is pending
+        assert hits == []
+        release.set()
+        assert drained.wait(5)
+        for _ in range(50):
+            if hits:
+                break
+            threading.Event().wait(0.1)
+        assert hits == [2 * CHUNK]
+        for cache in caches:  # vLLM may now zero / reuse the blocks: what was stored is unaffected
+            cache.zero_()
+        fresh = make_caches(False)
+        engine.retrieve(tokens, fresh, torch.arange(BLOCKS * BLOCK)[:len(tokens)])
+        assert torch.equal(kv_of(engine, fresh, torch.arange(2 * CHUNK)), expected)
+    finally:
+        worker.shutdown()
+
+
+def test_sync_save_stores_inside_the_step():
+    caches = make_caches(True, seed=5)
+    worker = _worker(make_engine(), caches, async_save=False)
+    try:
+        tokens = list(range(300, 300 + CHUNK))
+        worker.wait_for_save(_save_meta(tokens, list(range(CHUNK // BLOCK))))
+        assert worker._saver is None and worker._pending_saves == []
+        assert worker.engine.lookup(tokens) == CHUNK
+    finally:
+        worker.shutdown()
