@@ -208,11 +208,15 @@ def test_prefetch_and_cancel_leak_nothing(tmp_path, make_chunk):
             handle.cancel()
             # Whatever the cancelled prefetch read ends up in L1 (owned by it) or freed; disk reads already
             # in flight finish on their threads and are freed then, so allow them a bounded time.
+            disk = mgr.lower[0]
             deadline = time.monotonic() + 10
+            while disk.reads_in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert disk.reads_in_flight == 0, "cancelled disk reads did not finish within 10 s"
+            # No read can allocate any more; the releases of the ones that just finished follow at once.
             while True:
                 in_l1 = sum(mgr.l1.contains_sync(key(i)) for i in range(8))
-                settled = mgr.allocator.num_live == in_l1
-                if settled or time.monotonic() > deadline:
+                if mgr.allocator.num_live == in_l1 or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
             assert handle.done()

@@ -81,6 +81,7 @@ class LocalDiskBackend(StorageBackend):
         self._used = 0  # bytes of indexed files plus bytes reserved by writes in progress
         self._writing: set[str] = set()
         self._read_pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmcache-disk-read")
+        self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
         self._write_pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="lmcache-disk-write")
         self._closed = False
         self._scan()
@@ -212,6 +213,15 @@ class LocalDiskBackend(StorageBackend):
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def reads_in_flight(self) -> int:
+        """File reads still running; a cancelled read frees its memory only when it finishes."""
+        return self._reads_in_flight
+
+    def _read_done(self, _fut: Future) -> None:
+        with self._lock:
+            self._reads_in_flight -= 1
+
     async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
         with self._lock:
             item = self._index.get(key)
@@ -223,6 +233,9 @@ class LocalDiskBackend(StorageBackend):
             self.counters["misses"] += 1
             return None
         cfut: Future = self._read_pool.submit(self._read_file, item[0], key, alloc)
+        with self._lock:
+            self._reads_in_flight += 1
+        cfut.add_done_callback(self._read_done)
         afut = asyncio.wrap_future(cfut)
         try:
             obj = await asyncio.shield(afut)
