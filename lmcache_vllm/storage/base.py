@@ -71,17 +71,18 @@ def _release_task_result(task: "asyncio.Future") -> None:
     release_objs(result if isinstance(result, list) else [result])
 
 
-async def gather_owned(coros) -> list:
+async def gather_owned(coros, release: Optional[Callable[[asyncio.Future], None]] = None) -> list:
     """`asyncio.gather` for coroutines returning MemoryObjs (or lists of them) with a ref for us.
 
-    If the gathering task is cancelled, results that complete anyway are released instead of leaked."""
+    If one fails or the gathering task is cancelled, results that complete anyway are released (by
+    `release(task)`, default: every MemoryObj of the result) instead of leaked."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
-            task.add_done_callback(_release_task_result)
+            task.add_done_callback(release or _release_task_result)
         raise
 
 

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
-from lmcache_vllm.storage.base import AllocFn, StorageBackend, release_objs
+from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +40,6 @@ def _release_decoded(fut) -> None:
     if fut.cancelled() or fut.exception() is not None:
         return
     release_objs(obj for obj, _ in fut.result())
-
-
-async def gather_owned_lists(coros) -> list:
-    """Gathers coroutines that return lists of (MemoryObj or None, outcome); if one fails or the
-    gathering is cancelled, the objects of the others are released instead of leaked."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-            task.add_done_callback(_release_decoded)
-        raise
 
 
 def _glob_escape(s: str) -> str:
@@ -162,7 +149,8 @@ class RedisBackend(StorageBackend):
         spans = [(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
         # Per group: (MemoryObj or None, counter name) per key.
         decoded = await self._call(
-            lambda: gather_owned_lists(self._read_group(keys[lo:hi], alloc) for lo, hi in spans),
+            lambda: gather_owned((self._read_group(keys[lo:hi], alloc) for lo, hi in spans),
+                                 release=_release_decoded),
             default=_DEFAULT)
         if decoded is _DEFAULT:  # failed or breaker open: everything is a miss
             return [None] * len(keys)
