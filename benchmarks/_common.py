@@ -112,3 +112,37 @@ def run_peer(python: str, script: str, args: list[str], timeout: float = 600) ->
         raise RuntimeError(f"peer {script} under {python} failed (rc={proc.returncode}):\n"
                            f"{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def drop_page_cache(directory: str) -> None:
+    """Flushes every file in `directory` and evicts it from the page cache, so the next read is cold."""
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def staged_chunks(num: int, shape: tuple):
+    """What the tier benchmarks write from and read into: `num` random bf16 chunks of `shape`, their keys,
+    copies of them in a source arena, and an empty destination arena whose pages are already faulted in
+    (so the first timed read does not pay for that). Returns (chunks, keys, src_objs, dst_alloc)."""
+    import torch
+
+    from lmcache_vllm.memory import HostAllocator
+
+    chunks = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i in range(num)]
+    total = sum(t.numel() * t.element_size() for t in chunks)
+    keys = [f"bench@1@0@bfloat16@v1@{i:064x}" for i in range(num)]
+    src_alloc = HostAllocator(total + 64 * num)
+    src_objs = []
+    for t in chunks:
+        obj = src_alloc.allocate(t.shape, t.dtype)
+        obj.tensor.copy_(t)
+        src_objs.append(obj)
+    dst_alloc = HostAllocator(total + 64 * num)
+    dst_alloc.arena.fill_(0)
+    return chunks, keys, src_objs, dst_alloc

@@ -22,18 +22,7 @@ import _common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
-from lmcache_vllm.memory import HostAllocator  # noqa: E402
 from lmcache_vllm.storage.local_disk import LocalDiskBackend  # noqa: E402
-
-
-def drop_cache(directory: str) -> None:
-    for name in os.listdir(directory):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def add_arguments(parser) -> None:
@@ -53,19 +42,9 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 4)
     shape = (args.layers, 2, args.chunk_tokens, args.hidden)
     base = tempfile.mkdtemp(prefix="lmcache-bench-disk-", dir=args.dir)
-    chunks = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-              for i in range(num_chunks)]
+    chunks, keys, src_objs, dst_alloc = _common.staged_chunks(num_chunks, shape)
     chunk_bytes = chunks[0].numel() * 2
     total = chunk_bytes * num_chunks
-    keys = [f"bench@1@0@bfloat16@v1@{i:064x}" for i in range(num_chunks)]
-    src_alloc = HostAllocator(total + 64 * num_chunks)
-    src_objs = []
-    for t in chunks:
-        obj = src_alloc.allocate(t.shape, t.dtype)
-        obj.tensor.copy_(t)
-        src_objs.append(obj)
-    dst_alloc = HostAllocator(total + 64 * num_chunks)
-    dst_alloc.arena.fill_(0)  # fault the pages in now, not inside the first timed read
     plain_dir = os.path.join(base, "plain")
     ours_dir = os.path.join(base, "ours")
     results: dict = {"chunk_bytes": chunk_bytes, "chunks": num_chunks, "repeats": repeats}
@@ -91,7 +70,7 @@ def main() -> None:
     plain_write_s = _common.best_of(plain_write, repeats, warmup=0, setup=plain_reset)
     plain_reset()
     plain_write()
-    plain_read_s = _common.best_of(plain_read, repeats, warmup=0, setup=lambda: drop_cache(plain_dir))
+    plain_read_s = _common.best_of(plain_read, repeats, warmup=0, setup=lambda: _common.drop_page_cache(plain_dir))
     shutil.rmtree(plain_dir, ignore_errors=True)
 
     # ---- our backend ----
@@ -121,7 +100,7 @@ def main() -> None:
     def ours_read_setup():
         for obj in state.pop("got", []):
             obj.ref_down()
-        drop_cache(ours_dir)
+        _common.drop_page_cache(ours_dir)
 
     ours_write_s = _common.best_of(ours_write, repeats, warmup=0, setup=ours_reset)
     ours_read_s = _common.best_of(ours_read, repeats, warmup=0, setup=ours_read_setup)

@@ -27,7 +27,6 @@ import _common  # noqa: E402  (puts the repo root on sys.path)
 import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 
-from lmcache_vllm.memory import HostAllocator  # noqa: E402
 from lmcache_vllm.storage import codec  # noqa: E402
 from lmcache_vllm.storage.redis_backend import RedisBackend  # noqa: E402
 
@@ -69,19 +68,9 @@ async def run(args, url: str) -> dict:
     hidden = 1024
     tokens = max(1, int(chunk_mib * (1 << 20) / (32 * 2 * hidden * 2)))
     shape = (32, 2, tokens, hidden)
-    chunks = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-              for i in range(num)]
+    chunks, keys, objs, dst_alloc = _common.staged_chunks(num, shape)
     chunk_bytes = chunks[0].numel() * 2
     total = chunk_bytes * num
-    keys = [f"bench@1@0@bfloat16@v1@{i:064x}" for i in range(num)]
-    src_alloc = HostAllocator(total + 64 * num)
-    objs = []
-    for t in chunks:
-        obj = src_alloc.allocate(t.shape, t.dtype)
-        obj.tensor.copy_(t)
-        objs.append(obj)
-    dst_alloc = HostAllocator(total + 64 * num)
-    dst_alloc.arena.fill_(0)
     res: dict = {"chunks": num, "chunk_bytes": chunk_bytes, "repeats": repeats}
 
     async def best(fn, setup=None) -> float:

@@ -48,6 +48,26 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
+def assert_compiled_matches_torch(layout, caches, slots, via_op, gen) -> None:
+    """Gathers into `via_op`, then scatters a random chunk into random caches, each once with the compiled
+    op and once with the torch fallback: both directions must give the same bits."""
+    dtype = via_op.dtype
+    layout.gather(caches, slots, via_op)
+    via_torch = torch.zeros(via_op.shape, dtype=dtype)
+    with ops.forced_torch():
+        layout.gather(caches, slots, via_torch)
+    assert torch.equal(bits(via_op), bits(via_torch))
+
+    chunk = torch.randn(via_op.shape, generator=gen).to(dtype)
+    into_op = [torch.randn(c.shape, generator=gen).to(dtype) for c in caches]
+    into_torch = [c.clone() for c in into_op]
+    layout.scatter(chunk, into_op, slots)
+    with ops.forced_torch():
+        layout.scatter(chunk, into_torch, slots)
+    for a, b in zip(into_op, into_torch):
+        assert torch.equal(bits(a), bits(b))
+
+
 GRID = [
     (kind, layers, heads, head_size, block_size, slots)
     for kind, layers, heads, head_size, block_size, slots in itertools.product(
@@ -66,20 +86,7 @@ def test_cpu_op_matches_torch_fallback(kind, layers, heads, head_size, block_siz
     layout = detect_layout(caches, **hint(kind))
 
     via_op = torch.zeros(layout.chunk_shape(slots.numel()), dtype=torch.bfloat16)
-    layout.gather(caches, slots, via_op)
-    via_torch = torch.zeros_like(via_op)
-    with ops.forced_torch():
-        layout.gather(caches, slots, via_torch)
-    assert torch.equal(bits(via_op), bits(via_torch))
-
-    chunk = torch.randn(via_op.shape, generator=gen).to(torch.bfloat16)
-    into_op = [torch.randn(c.shape, generator=gen).to(torch.bfloat16) for c in caches]
-    into_torch = [c.clone() for c in into_op]
-    layout.scatter(chunk, into_op, slots)
-    with ops.forced_torch():
-        layout.scatter(chunk, into_torch, slots)
-    for a, b in zip(into_op, into_torch):
-        assert torch.equal(bits(a), bits(b))
+    assert_compiled_matches_torch(layout, caches, slots, via_op, gen)
 
 
 @needs_cpu_ext
@@ -142,20 +149,7 @@ def test_every_cpu_kernel_set_matches_torch(restore_isa, isa, kind, dtype, head_
     layout = detect_layout(caches, **hint(kind))
     shape = layout.chunk_shape(slots.numel())
     via_op = torch.zeros(shape, dtype=dtype) if aligned else _misaligned_like(shape, dtype)
-    layout.gather(caches, slots, via_op)
-    via_torch = torch.zeros(shape, dtype=dtype)
-    with ops.forced_torch():
-        layout.gather(caches, slots, via_torch)
-    assert torch.equal(bits(via_op), bits(via_torch))
-
-    chunk = torch.randn(shape, generator=gen).to(dtype)
-    into_op = [torch.randn(c.shape, generator=gen).to(dtype) for c in caches]
-    into_torch = [c.clone() for c in into_op]
-    layout.scatter(chunk, into_op, slots)
-    with ops.forced_torch():
-        layout.scatter(chunk, into_torch, slots)
-    for a, b in zip(into_op, into_torch):
-        assert torch.equal(bits(a), bits(b))
+    assert_compiled_matches_torch(layout, caches, slots, via_op, gen)
 
 
 @needs_cpu_ext

@@ -20,15 +20,9 @@ import time
 import numpy as np
 import torch
 
-
-def drop_cache(directory):
-    for name in os.listdir(directory):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+# benchmarks/_common.py is plain stdlib at import time, so this interpreter can share it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import drop_page_cache  # noqa: E402
 
 
 def main():
@@ -96,7 +90,7 @@ def main():
 
     best_read = float("inf")
     for _ in range(args.repeats):
-        drop_cache(disk_dir)
+        drop_page_cache(disk_dir)
         start = time.perf_counter()
         got = disk.batched_get_blocking(keys)
         best_read = min(best_read, time.perf_counter() - start)
