@@ -137,12 +137,12 @@ def staged_chunks(num: int, shape: tuple):
               for i in range(num)]
     total = sum(t.numel() * t.element_size() for t in chunks)
     keys = [f"bench@1@0@bfloat16@v1@{i:064x}" for i in range(num)]
-    src_alloc = HostAllocator(total + 64 * num)
+    src_alloc = HostAllocator(total + 4096 * num)
     src_objs = []
     for t in chunks:
         obj = src_alloc.allocate(t.shape, t.dtype)
         obj.tensor.copy_(t)
         src_objs.append(obj)
-    dst_alloc = HostAllocator(total + 64 * num)
+    dst_alloc = HostAllocator(total + 4096 * num)
     dst_alloc.arena.fill_(0)
     return chunks, keys, src_objs, dst_alloc

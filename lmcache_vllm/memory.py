@@ -1,7 +1,8 @@
 """Host memory for cached KV chunks: one arena, an allocator over it, and ref/pin-counted objects.
 
 `HostAllocator` allocates a single flat uint8 tensor once (pinned when CUDA is present, so that
-host<->device copies can be asynchronous) and hands out `MemoryObj` regions of it of exactly the size
+host<->device copies can be asynchronous; otherwise optionally populated in the background, see
+`prefault.py`) and hands out `MemoryObj` regions of it of exactly the size
 asked for (offsets aligned to 64 bytes; no power-of-two rounding). Free space is kept as sorted free
 blocks, coalesced on free; a best-fit search by size is a bisect.
 
@@ -31,9 +32,17 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from lmcache_vllm.prefault import MODES as PREFAULT_MODES
+from lmcache_vllm.prefault import ArenaPrefaulter
+
 logger = logging.getLogger(__name__)
 
 ALIGNMENT = 64
+# Objects of at least LARGE_OBJECT bytes are reserved in whole pages, so that (in an arena of such
+# objects, the KV chunk case) every object starts on a page: the disk tier can then write it with
+# O_DIRECT, straight from the arena, without copying it through the page cache.
+PAGE = 4096
+LARGE_OBJECT = 64 << 10
 
 EvictCallback = Callable[["MemoryObj"], None]
 
@@ -113,14 +122,23 @@ class HostAllocator:
     """Free-list allocator over one host arena; thread-safe. See the module docstring for the rules."""
 
     def __init__(self, capacity_bytes: int, pin_memory: Optional[bool] = None,
-                 default_timeout: float = 0.0):
+                 default_timeout: float = 0.0, prefault: str = "off"):
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self._capacity = _align_up(capacity_bytes)
         self.pinned_arena = bool(pin_memory)
-        self.arena = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=self.pinned_arena)
+        # One page more than needed, so that the arena itself can start on a page boundary.
+        raw = torch.empty(self._capacity + PAGE, dtype=torch.uint8, pin_memory=self.pinned_arena)
+        skip = -raw.data_ptr() % PAGE
+        self.arena = raw[skip:skip + self._capacity]
+        # Pinned memory is resident already; pageable memory is populated as `prefault` says.
+        if prefault not in PREFAULT_MODES:
+            raise ValueError(f"prefault={prefault!r}: expected one of {PREFAULT_MODES}")
+        self.prefaulter = None
+        if prefault != "off" and not self.pinned_arena:
+            self.prefaulter = ArenaPrefaulter(self.arena, background=prefault == "background")
         self.default_timeout = default_timeout
         self._cond = threading.Condition(threading.Lock())
         # Free blocks, two sorted views of the same set: by start (for coalescing) and by
@@ -135,6 +153,11 @@ class HostAllocator:
         self.num_evictions = 0
 
     # ---- public API -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops background work on the arena (the arena itself lives as long as its objects)."""
+        if self.prefaulter is not None:
+            self.prefaulter.stop()
+
     @property
     def capacity(self) -> int:
         return self._capacity
@@ -172,7 +195,7 @@ class HostAllocator:
             raise ValueError(f"negative dimension in shape {tuple(shape)}")
         itemsize = dtype.itemsize
         nbytes = math.prod(shape) * itemsize
-        reserved = max(_align_up(nbytes), ALIGNMENT)
+        reserved = max(_align_up(nbytes, PAGE if nbytes >= LARGE_OBJECT else ALIGNMENT), ALIGNMENT)
         if reserved > self._capacity:
             raise AllocationError(
                 f"cannot allocate {nbytes} bytes: larger than the whole arena ({self._capacity} bytes)")

@@ -275,3 +275,18 @@ def test_arena_pinned_only_with_cuda():
     alloc = HostAllocator(KiB)
     assert alloc.pinned_arena == torch.cuda.is_available()
     assert alloc.arena.is_pinned() == alloc.pinned_arena
+
+
+def test_arena_and_large_objects_start_on_a_page():
+    alloc = HostAllocator(1 << 20, pin_memory=False)
+    assert alloc.arena.data_ptr() % 4096 == 0
+    # Large objects (>= 64 KiB) take whole pages, so in an arena of KV chunks each one starts on a
+    # page and the disk tier can write it with O_DIRECT.
+    big = [alloc.allocate((70_001,), torch.uint8) for _ in range(3)]
+    assert [b.reserved % 4096 for b in big] == [0, 0, 0]
+    assert all(b.tensor.data_ptr() % 4096 == 0 for b in big)
+    small = alloc.allocate((100,), torch.uint8)
+    assert small.reserved == 128  # small objects keep the 64-byte granularity
+    for obj in [small, *big]:
+        obj.ref_down()
+    assert alloc.used_bytes == 0

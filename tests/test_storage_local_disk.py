@@ -30,7 +30,7 @@ def alloc():
 
 
 def obj_of(tensor):
-    allocator = HostAllocator(tensor.numel() * tensor.element_size() + 64)
+    allocator = HostAllocator(tensor.numel() * tensor.element_size() + 4096)
     obj = allocator.allocate(tensor.shape, tensor.dtype)
     obj.tensor.copy_(tensor)
     return obj
@@ -193,3 +193,55 @@ async def test_cancelled_read_frees_its_memory(tmp_path, make_chunk):
             await task
     await disk.close()  # joins the read threads, whose done-callbacks release what they read
     assert allocator.used_bytes == 0
+
+
+def _supports_direct_io(path) -> bool:
+    probe = os.path.join(path, ".probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    return True
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+async def test_direct_io_round_trip_with_unaligned_tail(tmp_path, where, alloc):
+    root = tmp_path if where == "tmp" else "/dev/shm"
+    if where == "shm" and not os.path.isdir(root):
+        pytest.skip("no /dev/shm")
+    root = os.path.join(root, f"lmv-direct-{os.getpid()}")
+    disk = LocalDiskBackend(root, 1 << 24)
+    try:
+        src = torch.arange(35_003, dtype=torch.float32).to(torch.bfloat16)  # 70,006 bytes: a short tail
+        obj = obj_of(src)
+        assert obj.tensor.data_ptr() % 4096 == 0
+        assert await disk.put(key(1), obj)
+        assert disk.direct_io == _supports_direct_io(root)  # tmpfs refuses O_DIRECT: page cache then
+        (name,) = os.listdir(root)
+        assert os.path.getsize(os.path.join(root, name)) == 4096 + src.numel() * 2
+        got = await disk.get(key(1), alloc)
+        assert torch.equal(got.tensor, src)
+        got.ref_down()
+    finally:
+        await disk.clear()
+        await disk.close()
+        os.rmdir(root)
+
+
+async def test_object_off_a_page_is_written_through_the_page_cache(tmp_path, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path / "cache"), 1 << 20)
+    allocator = HostAllocator(1 << 20)
+    small = allocator.allocate((16,), torch.uint8)  # pushes the chunk 64 bytes past a page
+    src = make_chunk(3, CHUNK)
+    obj = allocator.allocate(src.shape, src.dtype)
+    obj.tensor.copy_(src)
+    assert obj.tensor.data_ptr() % 4096 != 0
+    assert await disk.put(key(3), obj)
+    got = await disk.get(key(3), alloc)
+    assert torch.equal(got.tensor, src)
+    got.ref_down()
+    small.ref_down()
+    await disk.close()

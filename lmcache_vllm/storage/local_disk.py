@@ -3,7 +3,8 @@
 - File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
   (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
 - Contents: `codec` header padded to 4 KiB, then the raw payload. Written to a `.tmp-*` file (mode 0600,
-  directory 0700) with one `os.writev` of header + the MemoryObj's bytes, then renamed into place, so a
+  directory 0700) with `O_DIRECT` straight from the MemoryObj's bytes where the file system allows it
+  (else one `os.writev` of header + bytes through the page cache), then renamed into place, so a
   reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
   store as dropped.
 - Reads run on a thread pool (several threads: parallel cold reads are ~3x faster than one on this
@@ -36,7 +37,7 @@ from urllib.parse import quote, unquote
 import xxhash
 
 from lmcache_vllm.memory import MemoryObj
-from lmcache_vllm.storage import codec
+from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,13 @@ class LocalDiskBackend(StorageBackend):
     name = "local_disk"
 
     def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
-                 fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None):
+                 fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
+                 direct_io: bool = True):
         super().__init__()
+        # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
+        # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
+        # time the file system refuses it (tmpfs does).
+        self.direct_io = bool(direct_io) and hasattr(os, "O_DIRECT")
         if path.startswith("file://"):
             path = path[len("file://"):]
         self.path = os.path.abspath(path)
@@ -278,7 +284,7 @@ class LocalDiskBackend(StorageBackend):
                 return None
             try:
                 dest = codec.payload_view(obj.tensor)
-                _pread_full(fd, dest, header.header_len)
+                chunk_file.pread_full(fd, dest, header.header_len)
                 codec.verify_payload(header, dest)
             except BaseException:
                 obj.ref_down()
@@ -327,15 +333,23 @@ class LocalDiskBackend(StorageBackend):
         # The header (with the payload checksum) is computed here, on the writer thread, so that a
         # batch of puts does not checksum serially on the event loop.
         header = codec.encode_header(key, obj.tensor, align=HEADER_ALIGN)
+        payload = codec.payload_view(obj.tensor)
         tmp = os.path.join(self.path, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        want_direct = self.direct_io and obj.tensor.data_ptr() % chunk_file.DIRECT_ALIGN == 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd, direct = chunk_file.create(tmp, want_direct)
         except OSError as exc:
             logger.warning("cannot create a chunk file in %s: %s", self.path, exc)
             return False
+        if want_direct and not direct:
+            self._no_direct_io("open")
         try:
             try:
-                _write_full(fd, [header, codec.payload_view(obj.tensor)])
+                if direct and not chunk_file.write_direct(fd, header, payload):
+                    self._no_direct_io("write")
+                    direct = False
+                if not direct:
+                    chunk_file.write_full(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -353,6 +367,12 @@ class LocalDiskBackend(StorageBackend):
             except OSError:
                 pass
             return False
+
+    def _no_direct_io(self, what: str) -> None:
+        if self.direct_io:
+            self.direct_io = False
+            logger.info("%s: O_DIRECT %s refused; chunk files are written through the page cache",
+                        self.path, what)
 
     async def remove(self, key: str) -> None:
         name = self._forget(key)
@@ -386,23 +406,3 @@ def _release_result(cfut: Future) -> None:
     obj = cfut.result()
     if obj is not None:
         obj.ref_down()
-
-
-def _pread_full(fd: int, dest: memoryview, offset: int) -> None:
-    done, total = 0, len(dest)
-    while done < total:
-        n = os.preadv(fd, [dest[done:]], offset + done)
-        if n == 0:
-            raise codec.CorruptEntry(f"file truncated: {done} of {total} payload bytes")
-        done += n
-
-
-def _write_full(fd: int, buffers: list) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]

@@ -25,8 +25,10 @@ Config (an `LMCacheConfig` or anything with the same attributes): `local_cpu`, `
 (None), `remote_timeout_secs` (2.0), `remote_max_connections` (16), `remote_read_groups` (1),
 `remote_read_batch_keys` (8),
 `remote_breaker_max_secs` (30), `write_queue_depth` (64), `write_workers` (4), `disk_io_threads` (8),
-`disk_fsync` (False), `close_drain_secs` (5.0), `prefetch_hold_secs` (30.0), `staging_buffer_size` (GB of arena when local_cpu
-is false and max_local_cpu_size is 0; default 1.0).
+`disk_fsync` (False), `disk_direct_io` (True: O_DIRECT writes where the file system allows),
+`close_drain_secs` (5.0), `prefetch_hold_secs` (30.0), `staging_buffer_size` (GB of arena when local_cpu
+is false and max_local_cpu_size is 0; default 1.0), `prefault_local_cpu` (true / "background": populate the
+L1 arena's pages on a low-priority thread; "sync": before start-up ends; false / "off"; see `prefault.py`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class StorageManager:
         self._holds = PrefetchHolds()
         self._queue_depth = int(extra.get("write_queue_depth", 64))
         self._num_writers = int(extra.get("write_workers", 4))
+        self._owns_allocator = allocator is None
         self.allocator = allocator if allocator is not None else build_allocator(config)
         self.l1 = LocalCPUBackend(self.allocator, keep_entries=bool(getattr(config, "local_cpu", True)))
         self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
@@ -370,6 +373,8 @@ class StorageManager:
             self._loop.close()
         self._holds.release_all()
         self.l1.clear_sync()
+        if self._owns_allocator:
+            self.allocator.close()
 
     async def _shutdown(self) -> None:
         try:

@@ -26,7 +26,19 @@ def build_allocator(config) -> HostAllocator:
     if not getattr(config, "local_cpu", True) and size_gb <= 0:
         # No L1 cache, but transfers still need an arena to stage chunks in.
         size_gb = float(_extra(config).get("staging_buffer_size", 1.0))
-    return HostAllocator(int(size_gb * GB))
+    return HostAllocator(int(size_gb * GB), prefault=_prefault_mode(_extra(config).get("prefault_local_cpu", True)))
+
+
+def _prefault_mode(value) -> str:
+    """`extra_config.prefault_local_cpu`: true / "background" (default), "sync", false / "off"."""
+    if value is True or value == "background":
+        return "background"
+    if value is False or value == "off":
+        return "off"
+    if value == "sync":
+        return "sync"
+    raise ValueError(f"extra_config.prefault_local_cpu={value!r}: expected true, false, 'background', "
+                     f"'sync' or 'off'")
 
 
 def build_lower_tiers(config, key_filter: Optional[Callable[[str], bool]] = None) -> list[StorageBackend]:
@@ -40,7 +52,8 @@ def build_lower_tiers(config, key_filter: Optional[Callable[[str], bool]] = None
             tiers.append(LocalDiskBackend(
                 local_disk, int(float(getattr(config, "max_local_disk_size", 0.0)) * GB),
                 io_threads=int(extra.get("disk_io_threads", 8)),
-                fsync=bool(extra.get("disk_fsync", False)), key_filter=key_filter))
+                fsync=bool(extra.get("disk_fsync", False)), key_filter=key_filter,
+                direct_io=bool(extra.get("disk_direct_io", True))))
         remote_url = getattr(config, "remote_url", None)
         if remote_url:
             tiers.append(RedisBackend(
