@@ -48,10 +48,11 @@ def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     seen = []
     s0 = LookupServer(lookup_socket_path("e", 0, sock_dir), lambda t: (seen.append(t.tolist()), 512)[1])
     s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda t: 256)
-    client = LookupClient([s0.address, s1.address], timeout_ms=2000)
+    client = LookupClient([s0.address, s1.address], timeout_ms=2000, direct=False)
     try:
         assert client.lookup(list(range(600))) == 256
         assert seen == [list(range(600))]
+        assert client.direct_lookups == 0
     finally:
         client.close()
         s0.close()
@@ -76,7 +77,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
         return 999
 
     server = LookupServer(lookup_socket_path("slow", 0, sock_dir), slow)
-    client = LookupClient([server.address], timeout_ms=100)
+    client = LookupClient([server.address], timeout_ms=100, direct=False)
     try:
         assert client.lookup([1]) == 0  # timed out
         release.set()
@@ -93,7 +94,7 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
         raise RuntimeError("storage down")
 
     server = LookupServer(lookup_socket_path("bad", 0, sock_dir), broken)
-    client = LookupClient([server.address], timeout_ms=2000)
+    client = LookupClient([server.address], timeout_ms=2000, direct=False)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(server.address)
@@ -107,3 +108,20 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
         raw.close()
         client.close()
         server.close()
+
+
+def test_servers_in_the_same_process_are_called_directly(sock_dir):
+    s0 = LookupServer(lookup_socket_path("local", 0, sock_dir), lambda t: 512)
+    s1 = LookupServer(lookup_socket_path("local", 1, sock_dir), lambda t: int(t[-1]))
+    client = LookupClient([s0.address, s1.address], timeout_ms=50)
+    try:
+        assert client.lookup(list(range(300))) == 299  # minimum over ranks, as over the sockets
+        assert client.direct_lookups == 1
+        s1._lookup_fn = lambda t: 1 // 0  # a failing lookup is 0 hits here too
+        assert client.lookup([5]) == 0
+        s1.close()  # a rank no longer local: the sockets are used (and time out here)
+        assert client.lookup([5]) == 0
+        assert client.direct_lookups == 2 and client.timeouts == 1
+    finally:
+        client.close()
+        s0.close()

@@ -6,6 +6,11 @@ process. Each worker rank runs a `LookupServer` thread answering "how many leadi
 do you hold?"; the scheduler's `LookupClient` asks every rank and takes the minimum (with tensor
 parallelism a prefix is only usable if every rank has its shard).
 
+When every rank's server lives in the client's own process (vLLM's engine core with a single worker,
+the common case: scheduler and worker share the process), the client calls the servers' lookup
+functions directly instead of going through the sockets: measured inside vLLM, a socket round trip
+took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
+
 Wire format (no pickle): request = [seq: u64 LE, token ids: int64 LE array], reply = [seq: u64 LE,
 hit tokens: i64 LE]. A rank that does not answer within the timeout counts as 0 hits, never an error.
 """
@@ -28,6 +33,9 @@ logger = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _MAX_IPC_PATH = 100  # sockaddr_un.sun_path holds 107 bytes plus NUL on Linux
+
+_local_servers: dict[str, "LookupServer"] = {}  # address -> live server of this process
+_local_lock = threading.Lock()
 
 
 def lookup_socket_path(instance_id: str, rank: int, base_dir: str | None = None) -> str:
@@ -70,6 +78,8 @@ class LookupServer:
         if self._path and os.path.exists(self._path):
             os.unlink(self._path)  # a stale socket file from a process that died
         self._socket.bind(address)
+        with _local_lock:
+            _local_servers[address] = self
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-lookup-server", daemon=True)
         self._thread.start()
@@ -80,11 +90,18 @@ class LookupServer:
             return None
         identity, seq, payload = frames
         try:
-            hit = int(self._lookup_fn(decode_tokens(payload)))
+            tokens = decode_tokens(payload)
+        except ValueError:
+            logger.warning("malformed lookup payload (%d bytes); answering 0 hits", len(payload))
+            return [identity, seq, _I64.pack(0)]
+        return [identity, seq, _I64.pack(self.lookup(tokens))]
+
+    def lookup(self, token_ids: np.ndarray) -> int:
+        try:
+            return int(self._lookup_fn(token_ids))
         except Exception:  # the cache never breaks inference: a failing lookup is a miss
             logger.exception("lookup failed; answering 0 hits")
-            hit = 0
-        return [identity, seq, _I64.pack(hit)]
+            return 0
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -105,6 +122,9 @@ class LookupServer:
                 self._socket.send_multipart(reply)
 
     def close(self) -> None:
+        with _local_lock:
+            if _local_servers.get(self.address) is self:
+                del _local_servers[self.address]
         self._stop.set()
         self._thread.join(timeout=5)
         self._socket.close(linger=0)
@@ -118,7 +138,7 @@ class LookupServer:
 class LookupClient:
     """Asks every rank's `LookupServer`; the answer is the minimum over ranks, 0 on any timeout."""
 
-    def __init__(self, addresses: Sequence[str], timeout_ms: int):
+    def __init__(self, addresses: Sequence[str], timeout_ms: int, *, direct: bool = True):
         if not addresses:
             raise ValueError("LookupClient needs at least one server address")
         self.timeout_ms = max(1, int(timeout_ms))
@@ -129,11 +149,26 @@ class LookupClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self._sockets.append(sock)
+        self._addresses = list(addresses)
         self._seq = 0
         self._lock = threading.Lock()
         self.timeouts = 0
+        self.direct = direct  # False: always the sockets (tests of the wire path)
+        self.direct_lookups = 0
+
+    def _local(self) -> list[LookupServer] | None:
+        if not self.direct:
+            return None
+        with _local_lock:
+            servers = [_local_servers.get(a) for a in self._addresses]
+        return None if None in servers else servers
 
     def lookup(self, token_ids: Sequence[int]) -> int:
+        servers = self._local()
+        if servers is not None:
+            self.direct_lookups += 1
+            tokens = np.asarray(token_ids, dtype=np.int64)
+            return max(0, min(server.lookup(tokens) for server in servers))
         with self._lock:
             self._seq += 1
             seq = _U64.pack(self._seq)
