@@ -43,6 +43,9 @@ def test_background_save_then_load_round_trips():
         new = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in new_blocks])
         engine = worker.engine
         assert torch.equal(kv_of(engine, caches, old), kv_of(engine, caches, new))
+        # Time spent is counted: storing (background), loading (in the step).
+        stats = worker.stats
+        assert stats.save_s > 0 and stats.load_s > 0 and stats.save_wait_s >= 0
     finally:
         worker.shutdown()
 

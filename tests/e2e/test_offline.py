@@ -101,6 +101,10 @@ def test_repeat_hits_and_matches_reference(main_run, reference):
     assert cold["tokens"] == reference["LONG"]
     assert warm["tokens"] == reference["LONG"]
     assert main_run["stats"]["worker"]["loaded_tokens"] > 0
+    # Scheduler and worker share this (in-process) engine: lookups are direct calls, none timed out.
+    scheduler = main_run["stats"]["scheduler"]
+    assert scheduler["direct_lookups"] == scheduler["lookups"] > 0
+    assert scheduler["lookup_timeouts"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ process. The job file:
 
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
-phase its wall time, and (when the connector runs in this process) the connector's counters.
+phase its wall time and process CPU time, and (when the connector runs in this process) the connector's counters.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def _connector_stats(llm) -> dict[str, Any]:
         connector = core.scheduler.connector
         half = getattr(connector, "_scheduler", None)
         if half is not None:
-            stats["scheduler"] = dict(half.stats)
+            client = half.lookup_client
+            stats["scheduler"] = dict(half.stats, direct_lookups=getattr(client, "direct_lookups", 0),
+                                      lookup_timeouts=getattr(client, "timeouts", 0))
     except Exception:
         pass
     return stats
@@ -77,12 +79,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
                                 ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in phase["prompts"]]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - t0
         phases.append({
             "name": phase.get("name", ""),
             "wall_s": wall_s,
+            "cpu_s": time.process_time() - cpu0,  # all threads of this process
             "results": [{"tokens": list(o.outputs[0].token_ids),
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
                          "ttft_s": _first_token_latency(o)} for o in outputs],

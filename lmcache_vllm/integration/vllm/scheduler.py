@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -103,7 +104,7 @@ class SchedulerHalf:
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "load_requests": 0, "loaded_tokens": 0,
-                      "saved_tokens": 0}
+                      "saved_tokens": 0, "lookup_s": 0.0}
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -112,7 +113,9 @@ class SchedulerHalf:
         num_tokens = request.num_tokens
         if num_tokens < self.chunk_size and not self.save_unfull_chunk:
             return 0, False  # nothing this short is ever stored
+        t0 = time.perf_counter()
         hit = min(self.lookup_client.lookup(self._tracker(request).token_array()), num_tokens)
+        self.stats["lookup_s"] += time.perf_counter() - t0
         self.stats["lookups"] += 1
         self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
         usable = hit - 1 if hit == num_tokens else hit

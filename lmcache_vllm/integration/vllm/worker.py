@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generator
@@ -46,8 +47,11 @@ class WorkerStats:
     stored_tokens: int = 0
     failed_saves: int = 0
     skipped_saves_after_failed_load: int = 0
+    load_s: float = 0.0  # time the step spent loading (start_load_kv and layerwise loads)
+    save_s: float = 0.0  # time spent storing, on the step or on the background save thread
+    save_wait_s: float = 0.0  # time the step waited for background saves to finish
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -130,8 +134,12 @@ class WorkerHalf:
         # drain at the same time); only finished ones leave the list.
         with self._pending_lock:
             pending = [future for future, _ in self._pending_saves]
+        if not pending:
+            return
+        t0 = time.perf_counter()
         for future in pending:
             future.result()
+        self._stats.save_wait_s += time.perf_counter() - t0
         with self._pending_lock:
             self._pending_saves = [(f, specs) for f, specs in self._pending_saves if not f.done()]
 
@@ -155,8 +163,10 @@ class WorkerHalf:
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
+        t0 = time.perf_counter()
         for spec in meta.loads:
             self._start_load(spec)
+        self._stats.load_s += time.perf_counter() - t0
 
     def _start_load(self, spec: LoadSpec) -> None:
         num = len(spec.token_ids)
@@ -254,6 +264,7 @@ class WorkerHalf:
             self._pending_saves.append((future, saves))
 
     def _store_all(self, saves: list[SaveSpec]) -> None:
+        t0 = time.perf_counter()
         for spec in saves:
             try:
                 tokens, slots, mask = self._save_args(spec)
@@ -261,6 +272,7 @@ class WorkerHalf:
             except Exception:
                 logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
                 self._stats.failed_saves += 1
+        self._stats.save_s += time.perf_counter() - t0
 
     def _finish_store(self, storer: Generator) -> None:
         try:
