@@ -36,6 +36,7 @@ from lmcache_vllm.integration.vllm.metadata import (
     SaveSpec,
     slot_mapping_for,
 )
+from lmcache_vllm.threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,10 @@ class WorkerHalf:
         self.kv_caches = list(kv_caches.values())
         self.engine = self._engine_factory(kv_caches)
         if self.async_save:
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save")
+            # The save thread's copies run on it alone: a second OpenMP team in the process would
+            # slow every parallel region of vLLM's model thread from then on (see threads.py).
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save",
+                                             initializer=single_threaded_torch)
         if self.lookup_address is not None:
             self.lookup_server = LookupServer(self.lookup_address, self._lookup)
         logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
