@@ -8,11 +8,12 @@ pays that price inside the serving loop. `ArenaPrefaulter` asks the kernel to po
 it is safe while the allocator already hands out and fills regions of the same arena. It also asks
 for transparent huge pages (`MADV_HUGEPAGE`, fewer faults and TLB misses), best effort.
 
-In the background the thread runs at the lowest CPU priority (nice 19) and populates 2 MiB per call, so
-it fills idle time and never holds the process's memory map for long (a 64 MiB call held off vLLM's own
-allocations for ~170 ms here and made a request right after start-up 20x slower). `sync` populates
-before returning: start-up takes longer (here ~2.7 s per GiB, far less on bare metal) and the arena is
-ready for the first request.
+`sync` populates before returning: start-up takes longer (here ~2.7 s per GiB, far less on bare metal)
+and the arena is ready for the first request. In the background the thread runs at the lowest CPU
+priority (nice 19) and populates 2 MiB per call, to fill idle time and hold the process's memory map
+only briefly (a 64 MiB call held off vLLM's own allocations for ~170 ms). It still slows the requests
+served while it runs on a machine without spare cores (measured on 2 cores: cold requests right after
+start-up 10-20 % slower), which is why the config default is off.
 
 Where the kernel lacks either call, or the arena is pinned (already resident), nothing happens.
 """

@@ -27,8 +27,8 @@ Config (an `LMCacheConfig` or anything with the same attributes): `local_cpu`, `
 `remote_breaker_max_secs` (30), `write_queue_depth` (64), `write_workers` (4), `disk_io_threads` (8),
 `disk_fsync` (False), `disk_direct_io` (True: O_DIRECT writes where the file system allows),
 `close_drain_secs` (5.0), `prefetch_hold_secs` (30.0), `staging_buffer_size` (GB of arena when local_cpu
-is false and max_local_cpu_size is 0; default 1.0), `prefault_local_cpu` (true / "background": populate the
-L1 arena's pages on a low-priority thread; "sync": before start-up ends; false / "off"; see `prefault.py`).
+is false and max_local_cpu_size is 0; default 1.0), `prefault_local_cpu` (false / "off"; "sync": populate the L1
+arena's pages before start-up ends; true / "background": on a low-priority thread; see `prefault.py`).
 """
 
 from __future__ import annotations

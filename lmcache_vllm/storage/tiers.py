@@ -26,11 +26,11 @@ def build_allocator(config) -> HostAllocator:
     if not getattr(config, "local_cpu", True) and size_gb <= 0:
         # No L1 cache, but transfers still need an arena to stage chunks in.
         size_gb = float(_extra(config).get("staging_buffer_size", 1.0))
-    return HostAllocator(int(size_gb * GB), prefault=_prefault_mode(_extra(config).get("prefault_local_cpu", True)))
+    return HostAllocator(int(size_gb * GB), prefault=_prefault_mode(_extra(config).get("prefault_local_cpu", False)))
 
 
 def _prefault_mode(value) -> str:
-    """`extra_config.prefault_local_cpu`: true / "background" (default), "sync", false / "off"."""
+    """`extra_config.prefault_local_cpu`: false / "off" (default), true / "background", "sync"."""
     if value is True or value == "background":
         return "background"
     if value is False or value == "off":
