@@ -1,10 +1,11 @@
 """Host memory for cached KV chunks: one arena, an allocator over it, and ref/pin-counted objects.
 
-`HostAllocator` allocates a single flat uint8 tensor once (pinned when CUDA is present, so that
-host<->device copies can be asynchronous; otherwise optionally populated in the background, see
-`prefault.py`) and hands out `MemoryObj` regions of it of exactly the size
-asked for (offsets aligned to 64 bytes; no power-of-two rounding). Free space is kept as sorted free
-blocks, coalesced on free; a best-fit search by size is a bisect.
+`HostAllocator` allocates a single flat uint8 tensor once, starting on a page (pinned when CUDA is
+present, so that host<->device copies can be asynchronous; otherwise, when asked, populated at once or
+in the background, see `prefault.py`) and hands out `MemoryObj` regions of it of exactly the size
+asked for (offsets aligned to 64 bytes, objects of 64 KiB or more reserved in whole pages; no
+power-of-two rounding). Free space is kept as sorted free blocks, coalesced on free; a best-fit search
+by size is a bisect.
 
 Lifetime and eviction:
 - An object is born with `ref_count == 1` (the caller's reference). `ref_up()`/`ref_down()` count
