@@ -54,9 +54,12 @@ def test_config_values_map_to_modes():
         cfg = SimpleNamespace(max_local_cpu_size=1 / 1024, extra_config={"prefault_local_cpu": value})
         alloc = build_allocator(cfg)
         alloc.close()
-        return None if alloc.prefaulter is None else alloc.prefaulter.running is not None
+        if alloc.prefaulter is None:
+            return "off"
+        return "sync" if alloc.prefaulter._thread is None else "background"
 
-    assert mode(False) is None and mode("off") is None
-    assert mode(True) and mode("background") and mode("sync")
+    assert mode(False) == mode("off") == "off"
+    assert mode(True) == mode("background") == "background"
+    assert mode("sync") == "sync"
     with pytest.raises(ValueError, match="extra_config.prefault_local_cpu='yes'.*'sync'"):
         mode("yes")
