@@ -36,6 +36,18 @@ def floor_chunk(n: int) -> int:
     return n - n % CHUNK
 
 
+def assert_repeat_hit(run: dict, cold_phase: str, warm_phase: str, reference_tokens: list[int],
+                      prompt_len: int, expected_hit: int) -> None:
+    """The cold request loaded nothing, its repeat loaded every whole chunk (`expected_hit` tokens), and
+    both gave the reference's tokens."""
+    cold = phase(run, cold_phase)[0]
+    warm = phase(run, warm_phase)[0]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] >= floor_chunk(prompt_len) == expected_hit
+    assert cold["tokens"] == reference_tokens
+    assert warm["tokens"] == reference_tokens
+
+
 def chunk_files(disk_dir: Path, model: str, tokens: list[int]) -> list[Path]:
     """The L2 files holding the whole chunks of `tokens` (rank 0 of 1, bf16), in chunk order."""
     from lmcache_vllm.storage.codec import FORMAT_VERSION

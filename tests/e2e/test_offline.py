@@ -94,12 +94,7 @@ def fresh_run(tiny_model, work, disk_dir, main_run):
 
 
 def test_repeat_hits_and_matches_reference(main_run, reference):
-    cold = h.phase(main_run, "cold_long")[0]
-    warm = h.phase(main_run, "warm_long")[0]
-    assert cold["num_cached_tokens"] == 0
-    assert warm["num_cached_tokens"] >= h.floor_chunk(len(LONG)) == 512
-    assert cold["tokens"] == reference["LONG"]
-    assert warm["tokens"] == reference["LONG"]
+    h.assert_repeat_hit(main_run, "cold_long", "warm_long", reference["LONG"], len(LONG), 512)
     assert main_run["stats"]["worker"]["loaded_tokens"] > 0
     # Scheduler and worker share this (in-process) engine: lookups are direct calls, none timed out.
     scheduler = main_run["stats"]["scheduler"]

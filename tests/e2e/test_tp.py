@@ -112,12 +112,7 @@ def fresh_run(tiny_model, work, redis_server, redis_config, keys_after_main):
 
 
 def test_tp_repeat_hits_and_matches_tp_reference(main_run, reference):
-    cold = h.phase(main_run, "cold_p")[0]
-    warm = h.phase(main_run, "warm_p")[0]
-    assert cold["num_cached_tokens"] == 0
-    assert warm["num_cached_tokens"] >= h.floor_chunk(len(P)) == 512
-    assert cold["tokens"] == reference["P"]
-    assert warm["tokens"] == reference["P"]
+    h.assert_repeat_hit(main_run, "cold_p", "warm_p", reference["P"], len(P), 512)
     assert h.phase(main_run, "cold_q")[0]["tokens"] == reference["Q"]
 
 
