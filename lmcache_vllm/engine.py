@@ -16,6 +16,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.tokens import CacheKey, KeyBuilder
 
 logger = logging.getLogger(__name__)
@@ -89,12 +90,12 @@ class CacheEngine:
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ helpers
-    def _chunks(self, tokens, include_partial: bool) -> list[_Chunk]:
-        return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial)]
+    def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
+        return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial, extra)]
 
-    def _store_chunks(self, tokens, mask: torch.Tensor) -> list[_Chunk]:
+    def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> list[_Chunk]:
         """Chunks worth storing: fully inside the mask and not present in L1/lower tiers yet."""
-        chunks = [c for c in self._chunks(tokens, self.config.save_unfull_chunk)
+        chunks = [c for c in self._chunks(tokens, self.config.save_unfull_chunk, extra)
                   if bool(mask[c.start:c.end].all())]
         if not chunks:
             return []
@@ -111,8 +112,8 @@ class CacheEngine:
             logger.warning("store of chunk %s dropped: %s", chunk.key.to_str(), exc)
             return None
 
-    def _plan_retrieve(self, tokens, mask: torch.Tensor) -> _RetrievePlan:
-        chunks = self._chunks(tokens, include_partial=True)
+    def _plan_retrieve(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> _RetrievePlan:
+        chunks = self._chunks(tokens, True, extra)
         plan = _RetrievePlan()
         if not chunks:
             return plan
@@ -141,10 +142,10 @@ class CacheEngine:
         return torch.where(chunk_mask, slots, torch.full_like(slots, -1))
 
     # ------------------------------------------------------------------ public API
-    def lookup(self, tokens) -> int:
+    def lookup(self, tokens, extra: ExtraKeys | None = None) -> int:
         """Number of leading tokens whose KV is available in some tier (whole chunks only)."""
         self.stats.lookups += 1
-        chunks = self._chunks(tokens, include_partial=True)
+        chunks = self._chunks(tokens, True, extra)
         if not chunks:
             return 0
         hits = self.storage.contains_prefix([c.key for c in chunks])
@@ -152,13 +153,15 @@ class CacheEngine:
         self.stats.lookup_hit_tokens += num
         return num
 
-    def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None) -> int:
-        """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored."""
+    def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
+              extra: ExtraKeys | None = None) -> int:
+        """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored.
+        `extra`: the request's extra keys (see `extra_keys.py`); every method here takes them."""
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         stored = 0
-        for chunk in self._store_chunks(tokens, mask):
+        for chunk in self._store_chunks(tokens, mask, extra):
             obj = self._allocate(chunk)
             if obj is None:
                 break
@@ -171,13 +174,14 @@ class CacheEngine:
         self.stats.stored_tokens += stored
         return stored
 
-    def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None) -> torch.Tensor:
+    def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
+                 extra: ExtraKeys | None = None) -> torch.Tensor:
         """Loads the longest available prefix into the paged cache. Returns the mask of tokens loaded."""
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         loaded = torch.zeros(num_tokens, dtype=torch.bool)
-        plan = self._plan_retrieve(tokens, mask)
+        plan = self._plan_retrieve(tokens, mask, extra)
         self.stats.retrieve_requests += 1
         try:
             for chunk, obj in zip(plan.chunks, plan.objs):
@@ -190,7 +194,7 @@ class CacheEngine:
         return loaded
 
     def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
-                    mask=None) -> Generator[int, None, int]:
+                    mask=None, extra: ExtraKeys | None = None) -> Generator[int, None, int]:
         """Layerwise store: each `next()` copies one layer out of the paged cache (yielding its index);
         running the generator to its end commits the chunks to storage and returns the tokens stored.
 
@@ -200,7 +204,7 @@ class CacheEngine:
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         chunks, objs = [], []
-        for chunk in self._store_chunks(tokens, mask):
+        for chunk in self._store_chunks(tokens, mask, extra):
             obj = self._allocate(chunk)
             if obj is None:
                 break
@@ -223,13 +227,13 @@ class CacheEngine:
                 obj.ref_down()
 
     def retrieve_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
-                       mask=None) -> Generator[torch.Tensor | int, None, None]:
+                       mask=None, extra: ExtraKeys | None = None) -> Generator[torch.Tensor | int, None, None]:
         """Layerwise retrieve: the first `next()` fetches the chunks and yields the mask of tokens that
         will be loaded; each following `next()` loads one layer and yields its index."""
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
-        plan = self._plan_retrieve(tokens, mask)
+        plan = self._plan_retrieve(tokens, mask, extra)
         self.stats.retrieve_requests += 1
         try:
             loaded = torch.zeros(num_tokens, dtype=torch.bool)
@@ -247,10 +251,10 @@ class CacheEngine:
             for obj in plan.objs:
                 obj.ref_down()
 
-    def prefetch(self, tokens):
+    def prefetch(self, tokens, extra: ExtraKeys | None = None):
         """Starts moving the available prefix of `tokens` from slower tiers into L1; returns a handle
         with `.cancel()`."""
-        return self.storage.prefetch([c.key for c in self._chunks(tokens, include_partial=True)])
+        return self.storage.prefetch([c.key for c in self._chunks(tokens, True, extra)])
 
     def clear(self) -> None:
         self.storage.clear()

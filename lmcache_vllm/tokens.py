@@ -1,32 +1,48 @@
-"""Token ids -> chunk boundaries -> prefix-chain digests -> `CacheKey`s, identical in every process.
+"""Token ids (+ extra keys) -> chunk boundaries -> prefix-chain digests -> `CacheKey`s, identical in
+every process.
 
-Scheme (format "tokens/v1"; a change of it must change `TOKEN_HASH_SCHEME` and the test vectors):
+Scheme (format "tokens/v1" with "extras/v1"; a change of it must change `TOKEN_HASH_SCHEME` /
+`EXTRA_KEYS_SCHEME` and the test vectors):
 - Tokens are cut into chunks of `chunk_size`; the last, shorter chunk is included only on request.
 - Token ids are hashed as little-endian int64 (8 bytes each), so any id a tokenizer produces is
   representable and no range check is needed; a numpy array / torch tensor is converted to those bytes
   by numpy, a list by one `struct.pack` call — never a per-token Python loop.
-- digest[0] = H(root || bytes(chunk 0)), digest[i] = H(digest[i-1] || bytes(chunk i)), where
-  root = H(b"lmcache-vllm/tokens/v1"). A digest therefore names the whole prefix up to its chunk end:
-  two prompts share digest i exactly when they share the first (i+1) chunks.
+- digest[0] = H(root || bytes(chunk 0) || extra(0)), digest[i] = H(digest[i-1] || bytes(chunk i) ||
+  extra(i)), where root = H(b"lmcache-vllm/tokens/v1"). A digest therefore names the whole prefix up to
+  its chunk end: two prompts share digest i exactly when they share the first (i+1) chunks and their
+  extra keys.
+- extra(i) is empty for plain text (so plain-text digests are exactly the "tokens/v1" ones and cost
+  nothing more). A request whose KV depends on more than its token ids (LoRA adapter, multimodal item,
+  cache salt, prompt embeddings) describes that as `ExtraKeys`: request-level `prefix` bytes, which enter
+  chunk 0 (and through the chain every later chunk), and `ExtraSpan(start, end, data)`s, which enter
+  every chunk they overlap, with their offsets relative to the chunk start. extra(i) is the canonical
+  item list (`P` + u32 length + prefix for chunk 0; `S` + i64 rel. start + i64 rel. end + u32 length +
+  data per overlapping span, in span order) followed by u32 total length + b"LMX1". That trailer read as
+  a little-endian int64 is >= 3.5e18, never a token id, so a digest with extras never equals one of a
+  plain token sequence. No pickle, no `hash()`: the bytes are the same in every process.
 - H is one of `SUPPORTED_HASH_ALGORITHMS`: "xxh3_128" (default: fastest measured here, 128-bit, not
   cryptographic), "blake3" and "sha256" (cryptographic; choose one when untrusted tenants share a
   remote cache and could try to forge collisions). Python's `hash()` is never used, so keys do not
   depend on PYTHONHASHSEED or on vLLM's per-process block-hash seed.
 
-`CacheKey` adds what makes a stored chunk usable: model, tensor-parallel world size and rank, KV dtype
-and stored-format version. `to_str()` gives a string safe for file names and Redis keys.
+`CacheKey` adds what makes a stored chunk usable: a short model name and the model fingerprint (see
+`integration/vllm/fingerprint.py`), tensor- and pipeline-parallel size and rank, KV dtype and
+stored-format version. `to_str()` gives a string safe for file names and Redis keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 from urllib.parse import quote, unquote
 
 import numpy as np
+
+from lmcache_vllm.extra_keys import ExtraKeys
 
 try:
     import torch
@@ -109,63 +125,89 @@ class ChunkHasher:
         end = num_tokens if include_partial else num_tokens - num_tokens % cs
         return [(s, min(s + cs, end)) for s in range(0, end, cs)]
 
-    def digests(self, tokens: TokenIds, include_partial: bool = False) -> list[bytes]:
-        """One digest per chunk (see `spans`), each naming the whole prefix up to the chunk's end."""
-        return self._digests_of(token_bytes(tokens), include_partial)
+    def digests(self, tokens: TokenIds, include_partial: bool = False,
+                extra: ExtraKeys | None = None) -> list[bytes]:
+        """One digest per chunk (see `spans`), each naming the whole prefix up to the chunk's end
+        together with the `extra` keys of every chunk up to it."""
+        return self._digests_of(token_bytes(tokens), include_partial, extra)
 
-    def _digests_of(self, data: memoryview, include_partial: bool) -> list[bytes]:
+    def _digests_of(self, data: memoryview, include_partial: bool,
+                    extra: ExtraKeys | None = None) -> list[bytes]:
         num_tokens = len(data) // TOKEN_BYTES
         step = self.chunk_size * TOKEN_BYTES
         end = len(data) if include_partial else num_tokens // self.chunk_size * step
         h = self._hash
         parent = self.root
         out = []
-        for offset in range(0, end, step):
-            parent = h(parent + data[offset:offset + step])
+        if not extra:  # plain text: the "tokens/v1" chain, nothing added
+            for offset in range(0, end, step):
+                parent = h(parent + data[offset:offset + step])
+                out.append(parent)
+            return out
+        extras = extra.by_chunk(self.chunk_size, num_tokens)
+        for index, offset in enumerate(range(0, end, step)):
+            chunk_extra = extras.get(index)
+            if chunk_extra is None:
+                parent = h(parent + data[offset:offset + step])
+            else:  # one more concatenation, no extra hash
+                parent = h(parent + data[offset:offset + step] + chunk_extra)
             out.append(parent)
         return out
 
 
+_KEY_RE = re.compile(r"^([^@]+)@([0-9a-f]*|-)@tp(\d+)\.(\d+)@pp(\d+)\.(\d+)@([^@]+)@v(\d+)@([0-9a-f]+)$")
+
+
 @dataclass(frozen=True)
 class CacheKey:
-    """Identifies one stored chunk: whose KV (model, TP layout, dtype, format) for which prefix."""
+    """Identifies one stored chunk: whose KV (model and its fingerprint, TP/PP layout, dtype, format)
+    for which prefix."""
 
-    model: str
-    world_size: int
+    model: str  # short readable name (e.g. the HF model_type); the fingerprint is the identity
+    world_size: int  # tensor-parallel size and rank
     rank: int
     kv_dtype: str
     fmt_version: int
     digest: bytes
+    fingerprint: str = dataclasses.field(default="", kw_only=True)  # hex; "" = none given
+    pp_size: int = dataclasses.field(default=1, kw_only=True)  # pipeline-parallel size and rank
+    pp_rank: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.fingerprint, str) or not _is_hex(self.fingerprint):
+            raise ValueError(f"fingerprint must be a lowercase hex str, got {self.fingerprint!r}")
         if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
             raise ValueError(f"kv_dtype must be a non-empty str, got {self.kv_dtype!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {self.rank!r}")
+        for size, rank, what in ((self.world_size, self.rank, "rank"), (self.pp_size, self.pp_rank, "pp_rank")):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"parallel size must be an int >= 1, got {size!r}")
+            if not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(f"{what} must be an int in [0, {size}), got {rank!r}")
         if not isinstance(self.fmt_version, int) or self.fmt_version < 0:
             raise ValueError(f"fmt_version must be an int >= 0, got {self.fmt_version!r}")
         if not isinstance(self.digest, bytes) or not self.digest:
             raise ValueError(f"digest must be non-empty bytes, got {self.digest!r}")
 
     def to_str(self) -> str:
-        """`model@world_size@rank@kv_dtype@v<fmt>@<hex digest>`; model and dtype percent-escaped,
-        so the string holds no '/', '@' or ':' of its own and is safe as a file name or Redis key."""
-        return (f"{quote(self.model, safe='')}@{self.world_size}@{self.rank}@"
-                f"{quote(self.kv_dtype, safe='')}@v{self.fmt_version}@{self.digest.hex()}")
+        """`model@fingerprint@tp<size>.<rank>@pp<size>.<rank>@kv_dtype@v<fmt>@<hex digest>` (fingerprint
+        "-" when none); model and dtype percent-escaped, so the string holds no '/', '@' or ':' of its
+        own and is safe as a file name or Redis key."""
+        return (f"{quote(self.model, safe='')}@{self.fingerprint or '-'}@tp{self.world_size}.{self.rank}"
+                f"@pp{self.pp_size}.{self.pp_rank}@{quote(self.kv_dtype, safe='')}@v{self.fmt_version}"
+                f"@{self.digest.hex()}")
 
     @classmethod
     def from_str(cls, s: str) -> "CacheKey":
-        parts = s.split("@")
-        if len(parts) != 6 or not parts[4].startswith("v"):
+        match = _KEY_RE.match(s) if isinstance(s, str) else None
+        if match is None:
             raise ValueError(f"not a CacheKey string: {s!r}")
-        model, world_size, rank, kv_dtype, fmt, digest = parts
+        model, fingerprint, tp, rank, pp, pp_rank, kv_dtype, fmt, digest = match.groups()
         try:
-            return cls(unquote(model), int(world_size), int(rank), unquote(kv_dtype), int(fmt[1:]),
-                       bytes.fromhex(digest))
+            return cls(unquote(model), int(tp), int(rank), unquote(kv_dtype), int(fmt), bytes.fromhex(digest),
+                       fingerprint="" if fingerprint == "-" else fingerprint, pp_size=int(pp),
+                       pp_rank=int(pp_rank))
         except ValueError as exc:
             raise ValueError(f"not a CacheKey string: {s!r} ({exc})") from None
 
@@ -176,6 +218,10 @@ class CacheKey:
         return self.to_str()
 
 
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
 def dtype_name(dtype) -> str:
     """'bfloat16' for torch.bfloat16 or 'bfloat16'; the spelling stored in keys."""
     name = str(dtype)
@@ -183,21 +229,24 @@ def dtype_name(dtype) -> str:
 
 
 class KeyBuilder:
-    """Turns token ids into `(CacheKey, start, end)` for one model / TP rank / KV dtype / format."""
+    """Turns token ids (+ extra keys) into `(CacheKey, start, end)` for one model / TP and PP rank /
+    KV dtype / format."""
 
     def __init__(self, model: str, world_size: int, rank: int, kv_dtype, fmt_version: int,
-                 hasher: ChunkHasher):
+                 hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0):
         self.hasher = hasher
-        self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0")
+        self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0",
+                                 fingerprint=fingerprint, pp_size=pp_size, pp_rank=pp_rank)
         self._fields = dict(self.template.__dict__)
 
     @property
     def chunk_size(self) -> int:
         return self.hasher.chunk_size
 
-    def keys(self, tokens: TokenIds, include_partial: bool = False) -> list[tuple[CacheKey, int, int]]:
+    def keys(self, tokens: TokenIds, include_partial: bool = False,
+             extra: ExtraKeys | None = None) -> list[tuple[CacheKey, int, int]]:
         data = token_bytes(tokens)
-        digests = self.hasher._digests_of(data, include_partial)
+        digests = self.hasher._digests_of(data, include_partial, extra)
         n = len(data) // TOKEN_BYTES
         fields = self._fields
         cs = self.hasher.chunk_size

@@ -190,3 +190,20 @@ def test_no_refs_leak(engine):
     engine.clear()
     assert engine.lookup(tokens) == 0
     assert engine.storage.stats()["local_cpu.used_bytes"] == 0
+
+
+def test_extra_keys_separate_stored_kv(engine):
+    from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
+
+    tokens = list(range(2000, 2096))  # 3 chunks
+    image_a = ExtraKeys(spans=(ExtraSpan(40, 50, b"mm:image-a"),))  # in chunk 1
+    src, slots = make_caches(True), slots_for(96, seed=1)
+    assert engine.store(tokens, src, slots, extra=image_a) == 96
+    assert engine.lookup(tokens, extra=image_a) == 96
+    # Same placeholder tokens, another image: only the chunk before the image is shared.
+    assert engine.lookup(tokens, extra=ExtraKeys(spans=(ExtraSpan(40, 50, b"mm:image-b"),))) == CHUNK
+    assert engine.lookup(tokens) == CHUNK  # tokens alone never reach the image's chunks
+    assert engine.lookup(tokens, extra=ExtraKeys(b"salt")) == 0  # a salt changes chunk 0 and all after
+    dst = make_caches(False)
+    loaded = engine.retrieve(tokens, dst, slots, extra=image_a)
+    assert loaded.all() and torch.equal(kv_of(engine, dst, slots), kv_of(engine, src, slots))

@@ -111,45 +111,63 @@ def test_large_ids_and_token_bytes():
     assert hasher.digests([0, 2 ** 32]) != hasher.digests([0, 0])  # no 32-bit truncation
 
 
-@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "org/m@rev:main", "a%2Fb", "weird@@::/ /"])
+@pytest.mark.parametrize("model", ["llama", "org/m@rev:main", "a%2Fb", "weird@@::/ /"])
 def test_cache_key_round_trip(model):
-    key = CacheKey(model, 4, 3, "bfloat16", 2, bytes(range(16)))
+    key = CacheKey(model, 4, 3, "bfloat16", 2, bytes(range(16)), fingerprint="0f" * 16, pp_size=2,
+                   pp_rank=1)
     s = key.to_str()
-    assert "/" not in s and ":" not in s and s.count("@") == 5
+    assert "/" not in s and ":" not in s and s.count("@") == 6
+    assert s.endswith("@tp4.3@pp2.1@bfloat16@v2@" + bytes(range(16)).hex())
     assert CacheKey.from_str(s) == key
     other = key.with_rank(1)
     assert other.rank == 1 and other.digest == key.digest and other != key
     assert CacheKey.from_str(other.to_str()) == other
     assert len({key, CacheKey.from_str(s)}) == 1  # hashable, equal keys collapse
+    bare = CacheKey(model, 1, 0, "bfloat16", 2, b"\x01")  # no fingerprint, PP 1
+    assert "@-@tp1.0@pp1.0@" in bare.to_str()
+    assert CacheKey.from_str(bare.to_str()) == bare
 
 
 def test_cache_key_validation():
     with pytest.raises(ValueError):
         CacheKey("m", 2, 2, "bf16", 1, b"x")  # rank out of range
     with pytest.raises(ValueError):
+        CacheKey("m", 1, 0, "bf16", 1, b"x", pp_size=2, pp_rank=2)
+    with pytest.raises(ValueError):
         CacheKey("", 1, 0, "bf16", 1, b"x")
     with pytest.raises(ValueError):
         CacheKey("m", 1, 0, "bf16", 1, b"")
-    for bad in ("", "m@1@0@bf16@v1", "m@1@0@bf16@1@00", "m@x@0@bf16@v1@00", "m@1@0@bf16@v1@zz"):
+    with pytest.raises(ValueError):
+        CacheKey("m", 1, 0, "bf16", 1, b"x", fingerprint="not hex")
+    for bad in ("", "m@1@0@bf16@v1@00",  # the scheme before fingerprints and PP: refused, not misread
+                "m@-@tp1.0@pp1.0@bf16@v1", "m@-@tp1.0@pp1.0@bf16@1@00", "m@-@tpx.0@pp1.0@bf16@v1@00",
+                "m@-@tp1.0@pp1.0@bf16@v1@zz", "m@-@tp1.1@pp1.0@bf16@v1@00", "m@XY@tp1.0@pp1.0@bf16@v1@00"):
         with pytest.raises(ValueError, match="not a CacheKey"):
             CacheKey.from_str(bad)
 
 
 def test_keys_carry_context():
-    a = KeyBuilder("m", 2, 0, torch.bfloat16, 1, ChunkHasher(4)).keys(range(8))
-    b = KeyBuilder("m", 2, 1, torch.bfloat16, 1, ChunkHasher(4)).keys(range(8))
+    a = KeyBuilder("m", 2, 0, torch.bfloat16, 1, ChunkHasher(4), fingerprint="ab").keys(range(8))
+    b = KeyBuilder("m", 2, 1, torch.bfloat16, 1, ChunkHasher(4), fingerprint="ab").keys(range(8))
     assert [k.with_rank(1) for k, _, _ in a] == [k for k, _, _ in b]
-    assert a[0][0].kv_dtype == "bfloat16"
+    assert a[0][0].kv_dtype == "bfloat16" and a[0][0].fingerprint == "ab"
+    c = KeyBuilder("m", 2, 0, torch.bfloat16, 1, ChunkHasher(4), fingerprint="ab", pp_size=2,
+                   pp_rank=1).keys(range(8))
+    assert [(k.pp_size, k.pp_rank) for k, _, _ in c] == [(2, 1)] * 2
+    assert [k.digest for k, _, _ in c] == [k.digest for k, _, _ in a] and c[0][0] != a[0][0]
 
 
 def test_keys_identical_across_interpreters_with_different_hash_seeds():
     code = textwrap.dedent("""
         import numpy as np
+        from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
         from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
         tokens = np.random.default_rng(7).integers(0, 100_000, 1100)
         for algorithm in ("xxh3_128", "blake3", "sha256"):
             kb = KeyBuilder("org/model", 2, 1, "bfloat16", 1, ChunkHasher(256, algorithm))
+            extra = ExtraKeys(b"lora:a", (ExtraSpan(300, 700, b"mm:img1"),))
             print(",".join(k.to_str() for k, _, _ in kb.keys(tokens, include_partial=True)))
+            print(",".join(k.to_str() for k, _, _ in kb.keys(tokens, include_partial=True, extra=extra)))
         print(hash("same string"))  # proves the seeds really differed
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,5 +178,5 @@ def test_keys_identical_across_interpreters_with_different_hash_seeds():
                              check=True, timeout=120).stdout.splitlines()
         outputs.append(out)
     assert outputs[0][-1] != outputs[1][-1]
-    assert outputs[0][:-1] == outputs[1][:-1] and len(outputs[0]) == 4
+    assert outputs[0][:-1] == outputs[1][:-1] and len(outputs[0]) == 7
     assert all(line.count(",") == 4 for line in outputs[0][:-1])  # 5 keys: 4 full + 1 partial
