@@ -4,8 +4,12 @@ without the connector (what the cache costs when it never helps).
 
     python benchmarks/bench_e2e_ttft.py [--quick] [--json FILE] [--png FILE] [--sync-save]
 
-Full: the `medium` local Llama (8 layers, hidden 1024) and ~4K-token prompts. --quick: the `tiny` model
-and ~1.5K-token prompts. Each configuration runs in its own vLLM process (in-process engine, the same
+Full: the `medium` local Llama (8 layers, hidden 1024) and 3900-token prompts. --quick: the `tiny` model
+and 1400-token prompts. Both lengths are ones where vLLM's prefix cache (128-token blocks) and our
+256-token chunks serve a repeat the same number of tokens, so warm TTFTs compare the same work and every
+output is checked against vLLM at the same prefill split (`lmcache_vllm.testing.reference`):
+`outputs_like_with_like` is true when all of them are bit-identical. (The `save_unfull_chunk` run loads
+all but the last token, a split vLLM's prefix cache cannot serve: its tokens are not compared.) Each configuration runs in its own vLLM process (in-process engine, the same
 thread setup for every run, so all are comparable). TTFT is the wall time of a request with
 max_tokens=1, best of the repeats (the shared machine's noise only adds time); vLLM's own per-request
 TTFT (its `first_token_latency`) is reported beside it as `*_vllm_s`.
@@ -40,6 +44,7 @@ from pathlib import Path
 
 from _common import REPO_ROOT, parse_args, print_table, write_json
 
+from lmcache_vllm.testing.reference import like_with_like
 from lmcache_vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -73,6 +78,25 @@ def _tokens_of(result: dict, prefix: str) -> list[list[int]]:
     return [r["tokens"] for p in result["phases"] if p["name"].startswith(prefix) for r in p["results"]]
 
 
+def _requests(result: dict, prefix: str) -> list[dict]:
+    return [r for p in result["phases"] if p["name"].startswith(prefix) for r in p["results"]]
+
+
+def _like_with_like(ours: list[dict], references: list[dict]) -> tuple[int, int, int]:
+    """(requests compared, of them bit-identical, requests without a reference at their split).
+    `ours[i]` and `references[i]` are lists of results for the same prompt."""
+    compared = same = unmatched = 0
+    for mine, theirs in zip(ours, references):
+        for request in mine:
+            match = like_with_like(request, theirs)
+            if match is None:
+                unmatched += 1
+                continue
+            compared += 1
+            same += match["tokens"] == request["tokens"]
+    return compared, same, unmatched
+
+
 def main() -> None:
     def add_arguments(p) -> None:
         p.add_argument("--png", default=os.path.join(REPO_ROOT, "bench_out", "e2e_ttft.png"), help="bar chart file")
@@ -81,7 +105,7 @@ def main() -> None:
 
     args = parse_args(__doc__.splitlines()[0], add_arguments)
     size, prompt_len, repeats, batch, fresh_runs, tput_rounds, tput_batches = (
-        ("tiny", 1500, 2, 4, 1, 1, 2) if args.quick else ("medium", 4000, 3, 4, 2, 3, 3))
+        ("tiny", 1400, 2, 4, 1, 1, 2) if args.quick else ("medium", 3900, 3, 4, 2, 3, 3))
     warm_repeats = 2 if args.quick else 5
     from lmcache_vllm.testing.local_model import build_model
 
@@ -126,10 +150,13 @@ def main() -> None:
                            {"name": "warmup", "prompts": [warmup_prompt], **one}]
                 + [{"name": f"disk_warmed{i}", "prompts": [p], **one} for i, p in enumerate(order[1:])]},
                 hash_seed=2 + run)["phases"]
+        # vLLM's own prefix cache: the TTFT limit, and the like-with-like reference of every cached request
+        # (the cold occurrence of each prompt is the reference of our cold requests).
         vllm_pc = _run(tmp, "vllm_prefix_cache", {
             "model": model, "llm_kwargs": dict(kwargs, enable_prefix_caching=True),
-            "phases": [{"name": "cold", "prompts": [cold_prompts[0]], **one}]
-            + [{"name": f"hit{r}", "prompts": [cold_prompts[0]], **one} for r in range(warm_repeats)]})
+            "phases": [{"name": f"cold{i}", "prompts": [p], **one} for i, p in enumerate(cold_prompts)]
+            + [{"name": f"hit{r}", "prompts": [cold_prompts[0]], **one} for r in range(warm_repeats)]
+            + [{"name": f"ref_hit{i}", "prompts": [p], **one} for i, p in enumerate(cold_prompts)]})
         plain = _run(tmp, "no_connector", {"model": model, "llm_kwargs": kwargs,
                                            "phases": [{"name": f"cold{i}", "prompts": [p], **one}
                                                       for i, p in enumerate(cold_prompts)]})
@@ -166,6 +193,22 @@ def main() -> None:
     tput_plain = batch / min(_walls(tput["plain"], "batch"))
     tput_ratio_median = statistics.median(_walls(tput["plain"], "batch")) / statistics.median(_walls(tput["ours"], "batch"))
     hit_expected = prompt_len - prompt_len % 256
+    # Like with like: our cold, warm and disk requests per prompt against vLLM's cold and prefix-cache
+    # requests of the same prompt; the 0 %-reuse batches against the batches without the connector.
+    ours_by_prompt = [_requests(ours, f"cold{i}") + [r for j, r in enumerate(_requests(ours, "warm"))
+                                                    if j % repeats == i] for i in range(repeats)]
+    fresh_by_prompt = [[] for _ in range(repeats)]
+    for run in range(fresh_runs):
+        order = list(range(repeats))[run % repeats:] + list(range(repeats))[:run % repeats]
+        requests = [r for p in fresh["phases"][run * (repeats + 1):(run + 1) * (repeats + 1)]
+                    if p["name"] != "warmup" for r in p["results"]]
+        for i, request in zip(order, requests):
+            fresh_by_prompt[i].append(request)
+    refs_by_prompt = [_requests(vllm_pc, f"cold{i}") + _requests(vllm_pc, f"ref_hit{i}") for i in range(repeats)]
+    checks = [_like_with_like(ours_by_prompt, refs_by_prompt), _like_with_like(fresh_by_prompt, refs_by_prompt),
+              _like_with_like([[r] for r in _requests(tput["ours"], "batch")],
+                              [[r] for r in _requests(tput["plain"], "batch")])]
+    compared, same, unmatched = (sum(c[k] for c in checks) for k in range(3))
     results = {
         "model": size, "prompt_tokens": prompt_len, "batch_requests": batch, "async_save": not args.sync_save,
         "cold_ttft_s": cold, "cold_ttft_no_connector_s": cold_plain, "warm_l1_ttft_s": warm,
@@ -202,6 +245,8 @@ def main() -> None:
         "warm_l1_unfull_walls_s": _joined(_walls(ours_unfull, "warm")),
         "vllm_prefix_cache_walls_s": _joined(_walls(vllm_pc, "hit")),
         "outputs_match_no_connector": _tokens_of(tput["ours"], "batch") == _tokens_of(tput["plain"], "batch"),
+        "outputs_like_with_like": compared > 0 and same == compared and unmatched == 0,
+        "outputs_compared": compared, "outputs_without_reference": unmatched,
         "hits_complete": min(_cached(ours, "warm") + _cached(fresh, "disk")) >= hit_expected,
     }
     print_table(f"TTFT, {size} model, {prompt_len}-token prompt (s)", [
@@ -225,6 +270,8 @@ def main() -> None:
           f"took {results['zero_reuse_background_save_ms_per_batch']:.1f} ms per batch")
     print(f"0 %-reuse throughput = {tput_ours / tput_plain:.3f}x without connector, best batches "
           f"({tput_ratio_median:.3f}x by medians; target >= 0.98x)")
+    print(f"outputs: {same} of {compared} requests bit-identical to vLLM at the same prefill split"
+          + (f"; {unmatched} without a like-with-like reference" if unmatched else ""))
     for key, value in results.items():
         if key.endswith("_ratio"):
             print(f"{key} = {value:.3f}")

@@ -1,8 +1,11 @@
-"""Helpers for the end-to-end tests: run vLLM jobs in fresh subprocesses, make prompts, find chunk files.
+"""Helpers for the end-to-end tests: run vLLM jobs in fresh subprocesses, make prompts, find chunk files,
+and compare greedy tokens like with like.
 
 Every vLLM run here uses the same thread binding (`VLLM_CPU_OMP_THREADS_BIND=0`, one compute thread):
 with a connector configured vLLM reserves a core and would otherwise run with a different thread count
-than the reference, which changes greedy tokens for reasons unrelated to the cache.
+than the reference, which changes greedy tokens for reasons unrelated to the cache. Every token comparison
+goes through `lmcache_vllm.testing.reference` (re-exported here): the reference of a cached run is vLLM's
+own prefix cache serving the same split.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from typing import Any
 from lmcache_vllm.testing.vllm_jobs import (CONNECTOR, REPO_ROOT, connector_config, random_tokens,  # noqa: F401
                                             run_job, vllm_env)
 from lmcache_vllm.testing.vllm_jobs import phase_results as phase  # noqa: F401
+from lmcache_vllm.testing.reference import (assert_like_with_like, hit_splits_agree,  # noqa: F401
+                                            reference_job, replay)
 
 CHUNK = 256  # chunk_size of every connector config in the e2e tests
 BLOCK = 128  # vLLM's CPU block size
@@ -36,16 +41,17 @@ def floor_chunk(n: int) -> int:
     return n - n % CHUNK
 
 
-def assert_repeat_hit(run: dict, cold_phase: str, warm_phase: str, reference_tokens: list[int],
-                      prompt_len: int, expected_hit: int) -> None:
+def assert_repeat_hit(run: dict, ref: dict, cold_phase: str, warm_phase: str, prompt_len: int,
+                      expected_hit: int, ref_prefix: str = "") -> None:
     """The cold request loaded nothing, its repeat loaded every whole chunk (`expected_hit` tokens), and
-    both gave the reference's tokens."""
+    each gave the tokens of the reference request with the same split (`ref` replays the run's phases,
+    named `ref_prefix + phase`: its cold first occurrence and its prefix-cache hit)."""
     cold = phase(run, cold_phase)[0]
     warm = phase(run, warm_phase)[0]
     assert cold["num_cached_tokens"] == 0
-    assert warm["num_cached_tokens"] >= floor_chunk(prompt_len) == expected_hit
-    assert cold["tokens"] == reference_tokens
-    assert warm["tokens"] == reference_tokens
+    assert warm["num_cached_tokens"] == floor_chunk(prompt_len) == expected_hit
+    assert_like_with_like(cold, phase(ref, ref_prefix + cold_phase)[0], what=cold_phase)
+    assert_like_with_like(warm, phase(ref, ref_prefix + warm_phase)[0], what=warm_phase)
 
 
 def chunk_files(disk_dir: Path, model: str, tokens: list[int]) -> list[Path]:

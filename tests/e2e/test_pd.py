@@ -3,11 +3,14 @@ Redis pool, a separate `kv_consumer` vLLM (decode node) loads it and only decode
 
 Both processes run with the shipped configs, configs/pd_sender.yaml and configs/pd_receiver.yaml; only the
 Redis address (the test's own server) and a fresh key prefix are replaced. Three processes:
-- `reference`: no connector. PROMPT's prefill is split as the consumer's is (all but the last token,
-  then the last token alone; vLLM's CPU kernels round a 1-token step differently), so its tokens are
-  what the consumer must produce. UNSEEN (shorter than one step) is computed in one step.
-- `producer`: kv_producer; prefills PROMPT (max_tokens=1, as a prefill node does) and again: a producer
-  never loads, so the repeat is computed too.
+- `reference`: no connector. The consumer loads all but PROMPT's last token and computes that token
+  alone, which vLLM's prefix cache cannot reproduce (it hits whole 128-token blocks). So the prefill is
+  split the same way in the producer and in the reference (`max_num_batched_tokens = len - 1`: all but
+  the last token in one step, then the last token alone): the producer stores KV computed exactly as the
+  reference computes it, and the consumer's single-token step is the reference's second step. UNSEEN
+  (shorter than one step) is computed in one step by both.
+- `producer`: kv_producer, the same split; prefills PROMPT (max_tokens=1, as a prefill node does) and
+  again: a producer never loads, so the repeat is computed too.
 - `consumer`: kv_consumer, fresh process; PROMPT loads everything but its last token from Redis;
   UNSEEN is computed; neither adds a single key to Redis.
 """
@@ -58,9 +61,13 @@ def redis_keys(shared: dict[str, str]) -> set[bytes]:
         client.close()
 
 
+def split_kwargs() -> dict[str, Any]:
+    return h.llm_kwargs(max_num_batched_tokens=len(PROMPT) - 1, enable_chunked_prefill=True)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model, work):
-    kwargs = h.llm_kwargs(max_num_batched_tokens=len(PROMPT) - 1, enable_chunked_prefill=True)
+    kwargs = split_kwargs()
     phases = [{"name": "prompt", "prompts": [PROMPT]}, {"name": "unseen", "prompts": [UNSEEN]}]
     result = h.run_job(work, "reference", {"model": tiny_model, "llm_kwargs": kwargs, "phases": phases})
     return {name: h.phase(result, name)[0]["tokens"] for name in ("prompt", "unseen")}
@@ -71,7 +78,7 @@ def producer(tiny_model, work, shared):
     config = pd_config("pd_sender", shared["url"], shared["prefix"])
     phases = [{"name": "prefill", "prompts": [PROMPT], "max_tokens": 1},
               {"name": "again", "prompts": [PROMPT], "max_tokens": 1}]
-    result = h.run_job(work, "producer", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(),
+    result = h.run_job(work, "producer", {"model": tiny_model, "llm_kwargs": split_kwargs(),
                                           "kv_transfer_config": h.connector(config, role="kv_producer"),
                                           "phases": phases}, hash_seed=1)
     result["keys_after"] = redis_keys(shared)
@@ -102,7 +109,7 @@ def test_producer_stores_every_chunk_and_never_loads(producer):
 def test_consumer_loads_the_prefill_and_decodes_like_the_reference(consumer, reference):
     decode = h.phase(consumer, "decode")[0]
     assert decode["num_cached_tokens"] == len(PROMPT) - 1  # vLLM needs the last token's logits
-    assert decode["tokens"] == reference["prompt"]
+    assert decode["tokens"] == reference["prompt"]  # the same split: see the module docstring
     assert consumer["stats"]["worker"]["loaded_tokens"] == len(PROMPT) - 1
     unseen = h.phase(consumer, "unseen")[0]
     assert unseen["num_cached_tokens"] == 0

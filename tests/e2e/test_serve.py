@@ -1,6 +1,10 @@
 """End to end through the console script: `lmcache-vllm serve MODEL --kv-transfer-config ...` starts
 vLLM's OpenAI server (multiprocess engine, as users run it) on 127.0.0.1 and the second identical
-completion is served from our cache."""
+completion is served from our cache.
+
+The reference is vLLM alone in the same engine mode (multiprocess, the same thread binding) with its own
+prefix cache, sent the prompt twice: the cold answer and the 512-token hit are compared with the request
+computed with the same split."""
 from __future__ import annotations
 
 import json
@@ -83,14 +87,23 @@ def server(tiny_model, tmp_path_factory):
                 proc.wait(timeout=30)
 
 
-def test_serve_answers_twice_second_from_cache(server):
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    phases = [{"name": name, "prompts": [PROMPT], "max_tokens": 8} for name in ("first", "second")]
+    job = h.reference_job({"model": tiny_model, "llm_kwargs": h.llm_kwargs(), "phases": phases})
+    return h.run_job(tmp_path_factory.mktemp("e2e_serve_ref"), "reference", job, multiprocessing=True)
+
+
+def test_serve_answers_twice_second_from_cache(server, reference):
     base, model, log = server
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
     first = _post(f"{base}/v1/completions", body)
     second = _post(f"{base}/v1/completions", body)
     details = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                for r in (first, second)]
     assert details[0] == 0
-    assert details[1] >= h.floor_chunk(len(PROMPT)) == 512, (details, log)
-    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert details[1] == h.floor_chunk(len(PROMPT)) == 512, (details, log)
     assert first["usage"]["completion_tokens"] == 8
+    for name, answer, cached in (("first", first, details[0]), ("second", second, details[1])):
+        ours = {"tokens": answer["choices"][0]["token_ids"], "num_cached_tokens": cached}
+        h.assert_like_with_like(ours, h.phase(reference, name)[0], what=name)

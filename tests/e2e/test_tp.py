@@ -2,10 +2,11 @@
 
 One compute core per rank (`VLLM_CPU_OMP_THREADS_BIND="0|1"`, which needs vLLM's multiprocess engine)
 in every run, so the reference and the cached runs compute with the same threads. Three TP processes:
-- `reference`: no connector; the greedy tokens every other run must reproduce.
-- `main`: connector with host memory + Redis; P cold then warm (hits), Q cold (seeds Redis).
-- `fresh`: a new process on the same Redis after rank 1's copy of P's second chunk was deleted: Q hits
-  in full from Redis, P only up to its first chunk (a prefix counts only if every rank holds it).
+- `main`: connector with host memory + Redis; P cold then warm (hits), Q and R cold (seed Redis).
+- `fresh`: a new process on the same Redis after rank 1's copy of R's second chunk was deleted: Q hits
+  in full from Redis, R only up to its first chunk (a prefix counts only if every rank holds it).
+- `reference`: no connector, vLLM's prefix cache on, replaying main and fresh; R's seeding request is
+  replaced by a twin sharing only R's first chunk, so vLLM serves R the same 256 tokens we do.
 Redis is the shared tier because its keys are easy to list per rank (the rank is part of each key).
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ TP = 2
 BIND = "0|1"  # one core per rank: both ranks of every run compute single-threaded
 P = h.random_tokens(60, 600)
 Q = h.random_tokens(61, 600)
+R = h.random_tokens(62, 600)
+R_TWIN = R[:256] + h.random_tokens(63, 344)  # computes R's first chunk exactly as R's prefill does
 
 
 def run_tp_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0) -> dict[str, Any]:
@@ -70,24 +73,31 @@ def chunk_key(model: str, tokens: list[int], chunk: int, rank: int) -> str:
     return keys[chunk][0].to_str()
 
 
+def main_job(model: str, config: dict[str, Any] | None, r_prompt: list[int] = R) -> dict[str, Any]:
+    phases = [{"name": "cold_p", "prompts": [P]}, {"name": "warm_p", "prompts": [P]},
+              {"name": "cold_q", "prompts": [Q]}, {"name": "cold_r", "prompts": [r_prompt]}]
+    return {"model": model, "llm_kwargs": tp_kwargs(), "phases": phases,
+            "kv_transfer_config": h.connector(config) if config is not None else None}
+
+
+def fresh_job(model: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": model, "llm_kwargs": tp_kwargs(),
+            "phases": [{"name": "q", "prompts": [Q]}, {"name": "r", "prompts": [R]}],
+            "kv_transfer_config": h.connector(config) if config is not None else None}
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model, work):
-    phases = [{"name": "P", "prompts": [P]}, {"name": "Q", "prompts": [Q]}]
+    job = h.replay(("main", main_job(tiny_model, None, r_prompt=R_TWIN)), ("fresh", fresh_job(tiny_model, None)))
     try:
-        result = run_tp_job(work, "reference", {"model": tiny_model, "llm_kwargs": tp_kwargs(),
-                                                "phases": phases})
+        return run_tp_job(work, "reference", job)
     except RuntimeError as exc:  # TP itself broken on this vLLM build: not our connector's fault
         pytest.skip(f"vLLM tensor_parallel_size=2 on CPU does not run without any connector: {exc}")
-    return {name: h.phase(result, name)[0]["tokens"] for name in ("P", "Q")}
 
 
 @pytest.fixture(scope="module")
 def main_run(tiny_model, work, redis_config, reference):
-    phases = [{"name": "cold_p", "prompts": [P]}, {"name": "warm_p", "prompts": [P]},
-              {"name": "cold_q", "prompts": [Q]}]
-    return run_tp_job(work, "main", {"model": tiny_model, "llm_kwargs": tp_kwargs(),
-                                     "kv_transfer_config": h.connector(redis_config), "phases": phases},
-                      hash_seed=1)
+    return run_tp_job(work, "main", main_job(tiny_model, redis_config), hash_seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +111,16 @@ def fresh_run(tiny_model, work, redis_server, redis_config, keys_after_main):
 
     client = redis.Redis.from_url(redis_server.url)
     try:
-        victim = redis_config["extra_config"]["remote_key_prefix"] + chunk_key(tiny_model, P, 1, rank=1)
-        assert client.delete(victim) == 1, "rank 1's copy of P's second chunk was not in Redis"
+        victim = redis_config["extra_config"]["remote_key_prefix"] + chunk_key(tiny_model, R, 1, rank=1)
+        assert client.delete(victim) == 1, "rank 1's copy of R's second chunk was not in Redis"
     finally:
         client.close()
-    phases = [{"name": "q", "prompts": [Q]}, {"name": "p", "prompts": [P]}]
-    return run_tp_job(work, "fresh", {"model": tiny_model, "llm_kwargs": tp_kwargs(),
-                                      "kv_transfer_config": h.connector(redis_config), "phases": phases},
-                      hash_seed=2)
+    return run_tp_job(work, "fresh", fresh_job(tiny_model, redis_config), hash_seed=2)
 
 
 def test_tp_repeat_hits_and_matches_tp_reference(main_run, reference):
-    h.assert_repeat_hit(main_run, "cold_p", "warm_p", reference["P"], len(P), 512)
-    assert h.phase(main_run, "cold_q")[0]["tokens"] == reference["Q"]
+    h.assert_repeat_hit(main_run, reference, "cold_p", "warm_p", len(P), 512, ref_prefix="main/")
+    h.assert_like_with_like(h.phase(main_run, "cold_q")[0], h.phase(reference, "main/cold_q")[0], what="cold_q")
 
 
 def test_each_rank_stores_its_own_keys(tiny_model, keys_after_main):
@@ -122,8 +129,8 @@ def test_each_rank_stores_its_own_keys(tiny_model, keys_after_main):
     parsed = [CacheKey.from_str(k) for k in keys_after_main]
     assert {k.world_size for k in parsed} == {TP}
     per_rank = {rank: sorted(k.to_str() for k in parsed if k.rank == rank) for rank in range(TP)}
-    # P and Q: 2 whole chunks each, stored once by every rank
-    expected = {rank: sorted(chunk_key(tiny_model, t, c, rank) for t in (P, Q) for c in (0, 1))
+    # P, Q and R: 2 whole chunks each, stored once by every rank
+    expected = {rank: sorted(chunk_key(tiny_model, t, c, rank) for t in (P, Q, R) for c in (0, 1))
                 for rank in range(TP)}
     assert per_rank == expected
     # Same tokens, same digest on both ranks; only the rank differs (each rank holds its own shard).
@@ -132,9 +139,9 @@ def test_each_rank_stores_its_own_keys(tiny_model, keys_after_main):
 
 def test_prefix_counts_only_where_every_rank_has_it(fresh_run, reference):
     q = h.phase(fresh_run, "q")[0]
-    assert q["num_cached_tokens"] >= 512  # another process, both ranks find Q in Redis
-    assert q["tokens"] == reference["Q"]
-    p = h.phase(fresh_run, "p")[0]
-    # Rank 0 still holds both chunks of P, rank 1 only the first: only 256 tokens are usable.
-    assert p["num_cached_tokens"] == h.CHUNK
-    assert p["tokens"] == reference["P"]
+    assert q["num_cached_tokens"] == 512  # another process, both ranks find Q in Redis
+    h.assert_like_with_like(q, h.phase(reference, "fresh/q")[0], what="fresh q")
+    r = h.phase(fresh_run, "r")[0]
+    # Rank 0 still holds both chunks of R, rank 1 only the first: only 256 tokens are usable.
+    assert r["num_cached_tokens"] == h.CHUNK
+    h.assert_like_with_like(r, h.phase(reference, "fresh/r")[0], what="fresh r")
