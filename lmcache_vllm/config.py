@@ -1,64 +1,81 @@
-"""`LMCacheConfig`: one validated dataclass with LMCache's key names, and `load_config` to build it.
+"""`LMCacheConfig`: lmcache-vllm's configuration, one validated dataclass with LMCache's key names, and
+`load_config` to build it from every source.
 
-Sources, later wins: field defaults < the YAML file named by `LMCACHE_CONFIG_FILE` < `LMCACHE_<KEY>`
-environment variables < the `overrides` mapping given in code. Strings from any source are parsed to
-the field's type (bool: true/false/1/0/yes/no/on/off; dict: a JSON object; None: "" / "none" / "null"
-for optional fields). Every problem is a `ConfigError` naming the key, the value and what is accepted:
-- a key nobody knows -> the closest valid key is suggested (unknown `LMCACHE_*` environment variables
-  are left alone: LMCache itself and other tools use that prefix too);
-- a key LMCache has but lmcache-vllm does not implement is accepted only at LMCache's default value
-  (the feature off, so LMCache YAML files keep working); any other value -> "not supported by
-  lmcache-vllm".
+Sources, later wins: the defaults declared here < the YAML file named by `LMCACHE_CONFIG_FILE` <
+`LMCACHE_<KEY>` environment variables < `overrides` (vLLM's `kv_connector_extra_config`). `extra_config`
+merges key by key across sources; its keys are declared in `config_extra.ExtraConfig`. Strings from any
+source are parsed to the key's type the same way (`config_schema.parse_value`: booleans true/false,
+1/0, yes/no, on/off; null/none/"" for optional keys; JSON for mappings); string values are never stripped.
+
+Everything wrong with the configuration, from every source, is collected and raised as ONE `ConfigError`
+that names each key, its value, where it came from (file and line, environment variable, or
+kv_connector_extra_config) and what is accepted. An unknown key gets a "did you mean" only for a likely
+typo of a known key of the same type. An LMCache key that lmcache-vllm does not implement is accepted
+at LMCache's default value (the feature off), so LMCache YAML files keep working; any other value is an
+error saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
+import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
-import yaml
+from lmcache_vllm.config_extra import ExtraConfig
+from lmcache_vllm.config_schema import (MISSING, ConfigError, Origin, Problem, at_least, check_setting,
+                                        did_you_mean, field_types, greater_than, normalize_fields,
+                                        parse_setting, parse_value, raise_if_any, setting, size_gib)
+from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, Entry, code_entries, env_entries,
+                                         read_yaml)
 
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-ENV_PREFIX = "LMCACHE_"
+__all__ = ["ConfigError", "ExtraConfig", "LMCacheConfig", "load_config", "CONFIG_FILE_ENV", "ENV_PREFIX"]
+
+logger = logging.getLogger(__name__)
+
 SUPPORTED_HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # tokens.py implements these
-SUPPORTED_CACHE_POLICIES = ("LRU",)
-SUPPORTED_REMOTE_SERDE = ("naive",)
 SUPPORTED_REMOTE_SCHEMES = ("redis", "rediss", "unix")
 GiB = 1 << 30
-
-
-class ConfigError(ValueError):
-    """A configuration key or value that lmcache-vllm cannot accept."""
 
 
 @dataclass
 class LMCacheConfig:
     """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
 
-    chunk_size: int = 256                      # tokens per stored chunk, any value > 0
-    local_cpu: bool = True                     # L1 host-memory tier
-    max_local_cpu_size: float = 5.0            # GiB of host memory for L1
-    local_disk: Optional[str] = None           # L2 directory ("/path" or "file:///path"); None = off
-    max_local_disk_size: float = 0.0           # GiB on disk for L2
-    remote_url: Optional[str] = None           # L3: redis://host:port[/db], rediss://..., unix:///sock
-    remote_serde: str = "naive"                # raw payload behind our codec header
-    save_unfull_chunk: bool = False            # also store the last, shorter chunk of a prompt
-    save_decode_cache: bool = False            # also store KV produced while decoding
-    use_layerwise: bool = False                # store/load one layer at a time, overlapping compute
-    cache_policy: str = "LRU"
-    blocking_timeout_secs: float = 10.0        # longest any synchronous wait on the cache may take
-    lookup_timeout_ms: int = 3000              # scheduler -> worker lookup; a timeout counts as a miss
-    pre_caching_hash_algorithm: str = "xxh3_128"  # chunk digest; see tokens.py
-    extra_config: dict = field(default_factory=dict)  # lmcache-vllm's own, less common settings
+    chunk_size: int = setting(256, "tokens per stored chunk (any value; independent of vLLM's block size)",
+                              check=at_least(1, "an integer"))
+    local_cpu: bool = setting(True, "keep chunks in the L1 host-memory tier")
+    max_local_cpu_size: float = setting(5.0, "GiB of host memory for L1", check=size_gib)
+    local_disk: Optional[str] = setting(None, "L2 directory: /path, file:///path or a path relative to the "
+                                              "working directory; null or false: no disk tier",
+                                        value_aliases={False: None})
+    max_local_disk_size: float = setting(0.0, "GiB cap of L2 (> 0 when local_disk is set)", check=size_gib)
+    remote_url: Optional[str] = setting(None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., "
+                                              "unix:///path/to/redis.sock; null: no L3")
+    remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
+                                choices=("naive",), value_aliases={None: "naive"})
+    save_unfull_chunk: bool = setting(False, "also store the last, shorter chunk of a prompt")
+    save_decode_cache: bool = setting(False, "also store KV produced while decoding")
+    use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
+    cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
+    blocking_timeout_secs: float = setting(10.0, "longest any synchronous wait on the cache may take",
+                                           check=greater_than(0, "seconds"))
+    lookup_timeout_ms: int = setting(3000, "longest wait of a scheduler lookup; past it: a miss",
+                                     check=at_least(1, "milliseconds"))
+    pre_caching_hash_algorithm: str = setting("xxh3_128", "chunk digest (see tokens.py)",
+                                              choices=SUPPORTED_HASH_ALGORITHMS)
+    extra_config: ExtraConfig = setting(meaning="lmcache-vllm's own settings (config_extra.py)",
+                                        default_factory=ExtraConfig)
 
     def __post_init__(self):
-        _validate(self)
+        problems = normalize_fields(self, skip=("extra_config",))
+        if not isinstance(self.extra_config, ExtraConfig):
+            self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
+        problems += _check_together(self)
+        raise_if_any(problems)
 
     @property
     def max_local_cpu_bytes(self) -> int:
@@ -68,15 +85,25 @@ class LMCacheConfig:
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GiB)
 
-    def get_extra(self, key: str, default: Any = None) -> Any:
-        return self.extra_config.get(key, default)
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def summary(self) -> str:
+        """One line with every top-level key and the extra_config keys that differ from their default
+        (for the start-up log; a password in remote_url is masked)."""
+        parts = [f"{f.name}={_masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+                 if f.name != "extra_config"]
+        defaults = ExtraConfig()
+        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
+                   if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
+        return ", ".join(parts + [f"extra_config={changed!r}"])
 
-FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(LMCacheConfig)}
 
+TOP_FIELDS = {f.name: f for f in dataclasses.fields(LMCacheConfig)}
+TOP_TYPES = field_types(LMCacheConfig)
+EXTRA_FIELDS = {f.name: f for f in dataclasses.fields(ExtraConfig)}
+EXTRA_TYPES = field_types(ExtraConfig)
+FIELD_TYPES = {name: tp for name, tp in TOP_TYPES.items()}  # kept for callers of the old module
 # Keys of LMCache 0.5.6 that lmcache-vllm does not implement, with LMCache's default for each.
 # Setting one to its default is accepted (and ignored); any other value is a ConfigError.
 UNSUPPORTED_LMCACHE_KEYS: dict[str, Any] = {
@@ -122,205 +149,175 @@ UNSUPPORTED_LMCACHE_KEYS: dict[str, Any] = {
     "external_backends": None,
 }
 
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-_NONE = ("", "none", "null")
 
-
-def _describe(name: str, value: Any, source: str) -> str:
-    where = f"{ENV_PREFIX}{name.upper()}" if source == "environment" else name
-    return f"{where}={value!r} ({source})"
-
-
-def _unquote(text: str) -> str:
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
-
-
-def _parse_str(name: str, text: str, kind: str, source: str) -> Any:
-    """Parses a string into `kind` ("bool", "int", "float", "dict", "str", "optional")."""
-    text = _unquote(text)
-    low = text.lower()
-    try:
-        if kind == "bool":
-            if low in _TRUE or low in _FALSE:
-                return low in _TRUE
-            raise ValueError("expected one of " + "/".join(_TRUE + _FALSE))
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-        if kind == "dict":
-            value = json.loads(text) if text else {}
-            if not isinstance(value, dict):
-                raise ValueError("expected a JSON object")
-            return value
-        if kind == "optional":
-            return None if low in _NONE else text
-        return text
-    except ValueError as exc:
-        raise ConfigError(f"{_describe(name, text, source)}: cannot parse as {kind}: {exc}") from None
-
-
-def _kind_of_field(name: str) -> str:
-    ftype = FIELD_TYPES[name]
-    return {"int": "int", "bool": "bool", "float": "float", "dict": "dict", "str": "str"}.get(
-        ftype, "optional")
-
-
-def _kind_of_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    return "optional"
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """Turns a raw value of a known key into the field's type (strings are parsed)."""
-    if name in UNSUPPORTED_LMCACHE_KEYS:
-        default = UNSUPPORTED_LMCACHE_KEYS[name]
-        if isinstance(value, str):
-            value = _parse_str(name, value, _kind_of_value(default), source)
-        if value != default and not (default is None and value in ("", [], {})):
-            raise ConfigError(f"{_describe(name, value, source)}: LMCache's '{name}' is not supported "
-                              f"by lmcache-vllm (only its default {default!r} is accepted)")
-        return value
-    kind = _kind_of_field(name)
-    if isinstance(value, str) and kind != "str":
-        return _parse_str(name, value, kind, source)
-    if kind == "str" and isinstance(value, str):
-        return _unquote(value)
-    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+def _masked(value: Any) -> Any:
+    if isinstance(value, str) and "@" in value and "://" in value:
+        scheme, rest = value.split("://", 1)
+        userinfo, host = rest.rsplit("@", 1)
+        return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else value
     return value
 
 
-def _check_key(name: str, source: str) -> None:
-    if name in FIELD_TYPES or name in UNSUPPORTED_LMCACHE_KEYS:
-        return
-    close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(FIELD_TYPES)}"
-    raise ConfigError(f"unknown configuration key '{name}' ({source}){hint}")
-
-
-def _fail(name: str, value: Any, accepted: str) -> None:
-    raise ConfigError(f"invalid {name}={value!r}: expected {accepted}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def normalize_local_disk(value: Optional[str]) -> Optional[str]:
-    """'file:///path' or '/path' -> '/path' (None and '' -> None)."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        _fail("local_disk", value, "a directory path or file:// URL")
-    if value.startswith("file://"):
-        parsed = urlparse(value)
-        if parsed.netloc not in ("", "localhost") or not parsed.path:
-            _fail("local_disk", value, "file:///absolute/path (no host part)")
-        value = parsed.path
-    if "," in value:
-        _fail("local_disk", value, "a single directory (several local_disk paths are not supported)")
-    return os.path.normpath(value)
-
-
-def _validate(cfg: LMCacheConfig) -> None:
-    """Checks types and ranges; normalises local_disk, cache_policy and a None remote_serde in place."""
-    for name in ("local_cpu", "save_unfull_chunk", "save_decode_cache", "use_layerwise"):
-        if not isinstance(getattr(cfg, name), bool):
-            _fail(name, getattr(cfg, name), "a bool")
-    if not isinstance(cfg.chunk_size, int) or isinstance(cfg.chunk_size, bool) or cfg.chunk_size <= 0:
-        _fail("chunk_size", cfg.chunk_size, "an int > 0")
-    for name in ("max_local_cpu_size", "max_local_disk_size"):
-        value = getattr(cfg, name)
-        if not _is_number(value) or not math.isfinite(value) or value < 0:
-            _fail(name, value, "a size in GiB >= 0")
-        setattr(cfg, name, float(value))
+# ---------------------------------------------------------------------------------- checks across keys
+def _check_together(cfg: LMCacheConfig) -> list[Problem]:
+    problems: list[Problem] = []
     if cfg.local_cpu and cfg.max_local_cpu_bytes <= 0:
-        _fail("max_local_cpu_size", cfg.max_local_cpu_size, "a size > 0 while local_cpu is true")
-    cfg.local_disk = normalize_local_disk(cfg.local_disk)
-    if cfg.local_disk is not None and cfg.max_local_disk_bytes <= 0:
-        _fail("max_local_disk_size", cfg.max_local_disk_size, "a size > 0 when local_disk is set")
+        problems.append(Problem("max_local_cpu_size", cfg.max_local_cpu_size,
+                                "expected a size > 0 while local_cpu is true"))
+    if cfg.local_disk is not None:
+        cfg.local_disk, message = _normalize_local_disk(cfg.local_disk)
+        if message:
+            problems.append(Problem("local_disk", cfg.local_disk, message))
+        elif cfg.max_local_disk_bytes <= 0:
+            problems.append(Problem("max_local_disk_size", cfg.max_local_disk_size,
+                                    "expected a size > 0 when local_disk is set"))
     if cfg.remote_url is not None:
-        url = cfg.remote_url
-        parsed = urlparse(url) if isinstance(url, str) else None
-        if parsed is None or parsed.scheme not in SUPPORTED_REMOTE_SCHEMES:
-            _fail("remote_url", url, "a URL with scheme " + "/".join(SUPPORTED_REMOTE_SCHEMES)
-                  + " (e.g. redis://127.0.0.1:6379/0 or unix:///run/redis.sock), or None")
-        if parsed.scheme in ("redis", "rediss") and not parsed.hostname:
-            _fail("remote_url", url, "redis://HOST[:PORT][/DB]")
-        if parsed.scheme == "unix" and not parsed.path:
-            _fail("remote_url", url, "unix:///path/to/redis.sock")
-    if cfg.remote_serde is None:
-        cfg.remote_serde = "naive"
-    if cfg.remote_serde not in SUPPORTED_REMOTE_SERDE:
-        _fail("remote_serde", cfg.remote_serde, "one of " + ", ".join(SUPPORTED_REMOTE_SERDE))
-    if isinstance(cfg.cache_policy, str) and cfg.cache_policy.upper() in SUPPORTED_CACHE_POLICIES:
-        cfg.cache_policy = cfg.cache_policy.upper()
-    else:
-        _fail("cache_policy", cfg.cache_policy, "one of " + ", ".join(SUPPORTED_CACHE_POLICIES))
-    if not _is_number(cfg.blocking_timeout_secs) or not 0 < cfg.blocking_timeout_secs < math.inf:
-        _fail("blocking_timeout_secs", cfg.blocking_timeout_secs, "a finite number of seconds > 0")
-    cfg.blocking_timeout_secs = float(cfg.blocking_timeout_secs)
-    if (not isinstance(cfg.lookup_timeout_ms, int) or isinstance(cfg.lookup_timeout_ms, bool)
-            or cfg.lookup_timeout_ms <= 0):
-        _fail("lookup_timeout_ms", cfg.lookup_timeout_ms, "an int number of milliseconds > 0")
-    if cfg.pre_caching_hash_algorithm not in SUPPORTED_HASH_ALGORITHMS:
-        _fail("pre_caching_hash_algorithm", cfg.pre_caching_hash_algorithm,
-              "one of " + ", ".join(SUPPORTED_HASH_ALGORITHMS)
-              + " (LMCache's 'builtin' depends on PYTHONHASHSEED and is not supported)")
-    if cfg.extra_config is None:
-        cfg.extra_config = {}
-    if not isinstance(cfg.extra_config, dict):
-        _fail("extra_config", cfg.extra_config, "a mapping (a JSON object in the environment)")
+        message = _remote_url_problem(cfg.remote_url)
+        if message:
+            problems.append(Problem("remote_url", cfg.remote_url, message))
+    return problems
 
 
-def _read_yaml(path: str) -> dict:
+def _normalize_local_disk(value: str) -> tuple[str, Optional[str]]:
+    """As LMCache: 'file://' is dropped, so 'file:///abs' is /abs and 'file://rel/' the relative rel/."""
+    path = value[len("file://"):] if value.startswith("file://") else value
+    if "," in path:
+        return value, ("a single directory (LMCache's several comma-separated local_disk paths "
+                       "are not supported)")
+    if not path.strip():
+        return value, "a directory path"
+    return os.path.normpath(path), None
+
+
+def _remote_url_problem(url: str) -> Optional[str]:
+    """What is wrong with a Redis URL (checked here so that redis-py never sees a bad one)."""
+    expected = ("a URL with scheme " + "/".join(SUPPORTED_REMOTE_SCHEMES)
+                + " (e.g. redis://127.0.0.1:6379/0 or unix:///run/redis.sock), or null")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {CONFIG_FILE_ENV}={path!r}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r} must hold a mapping of keys to values, "
-                          f"got {type(data).__name__}")
-    return data
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"not a valid URL ({exc}); expected {expected}"
+    if parts.scheme not in SUPPORTED_REMOTE_SCHEMES:
+        return f"expected {expected}"
+    if parts.scheme == "unix":
+        return None if parts.path else "expected unix:///path/to/redis.sock"
+    if not parts.hostname:
+        return "expected redis://HOST[:PORT][/DB] (no host given)"
+    if port is not None and not 0 < port < 65536:
+        return "the port must be 1 to 65535"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"the database ({db!r}) must be a number: redis://HOST:PORT/DB"
+    return None
+
+
+# ---------------------------------------------------------------------------------- loading
+class _Loader:
+    """Collects every source's entries into field values, with the origin of each, and every problem."""
+
+    def __init__(self):
+        self.problems: list[Problem] = []
+        self.values: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}
+        self.origins: dict[str, Origin] = {}
+
+    def top(self, entry: Entry) -> None:
+        key = entry.key
+        if not isinstance(key, str):
+            self.problems.append(Problem(repr(key), entry.value, "keys must be strings", entry.origin))
+        elif key == "extra_config":
+            self.extra_mapping(entry)
+        elif key in TOP_FIELDS:
+            self._take(TOP_FIELDS[key], TOP_TYPES[key], key, entry, self.values)
+        elif key in UNSUPPORTED_LMCACHE_KEYS:
+            self._unsupported(key, entry)
+        else:
+            self._unknown(key, entry, TOP_TYPES, "")
+
+    def extra_mapping(self, entry: Entry) -> None:
+        try:
+            mapping = parse_value(entry.value, Optional[dict])
+        except ValueError as exc:
+            self.problems.append(Problem("extra_config", entry.value, str(exc), entry.origin))
+            return
+        children = entry.children or tuple(Entry(k, v, entry.origin) for k, v in (mapping or {}).items())
+        for child in children:
+            self.extra_key(child)
+
+    def extra_key(self, entry: Entry) -> None:
+        key = entry.key
+        if isinstance(key, str) and key in EXTRA_FIELDS:
+            self._take(EXTRA_FIELDS[key], EXTRA_TYPES[key], f"extra_config.{key}", entry, self.extra)
+        else:
+            self._unknown(key, entry, EXTRA_TYPES, "extra_config.")
+
+    def _take(self, f: dataclasses.Field, tp: Any, name: str, entry: Entry, into: dict) -> None:
+        try:
+            value = parse_setting(f, tp, entry.value)
+        except ValueError as exc:
+            self.problems.append(Problem(name, entry.value, str(exc), entry.origin))
+            return
+        message = check_setting(f, value)
+        if message:
+            self.problems.append(Problem(name, value, message, entry.origin))
+            return
+        into[f.name] = value
+        self.origins[name] = entry.origin
+
+    def _unsupported(self, key: str, entry: Entry) -> None:
+        default = UNSUPPORTED_LMCACHE_KEYS[key]
+        value = entry.value
+        tp = type(default) if default is not None else Optional[str]
+        try:
+            value = parse_value(value, tp) if isinstance(value, str) else value
+        except ValueError:
+            pass
+        if value != default and not (default is None and value in ("", [], {})):
+            self.problems.append(Problem(key, entry.value, f"LMCache's '{key}' is not supported by "
+                                         f"lmcache-vllm (only its default {default!r} is accepted)",
+                                         entry.origin))
+
+    def _unknown(self, key: Any, entry: Entry, candidates: Mapping[str, Any], prefix: str) -> None:
+        name = f"{prefix}{key}"
+        if not isinstance(key, str):
+            self.problems.append(Problem(name, entry.value, "keys must be strings", entry.origin))
+            return
+        hint = did_you_mean(key, entry.value, candidates)
+        message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
+                   f"unknown key; lmcache-vllm's {prefix or ''}keys: {', '.join(candidates)}")
+        self.problems.append(Problem(name, entry.value, message, entry.origin))
+
+    def build(self) -> LMCacheConfig:
+        extra = ExtraConfig(**self.extra)
+        try:
+            config = LMCacheConfig(**self.values, extra_config=extra)
+        except ConfigError as exc:
+            self.problems += [dataclasses.replace(p, origin=p.origin or self.origins.get(p.key))
+                              for p in exc.problems]
+            config = None
+        raise_if_any(self.problems)
+        return config
+
+
+def build_extra(mapping: Any, origin: Origin, problems: list[Problem]) -> ExtraConfig:
+    """An ExtraConfig from a plain mapping (e.g. `LMCacheConfig(extra_config={...})` in code)."""
+    loader = _Loader()
+    loader.extra_mapping(Entry("extra_config", mapping, origin))
+    problems += loader.problems
+    return ExtraConfig(**loader.extra)
 
 
 def load_config(overrides: Optional[Mapping[str, Any]] = None, *,
                 environ: Optional[Mapping[str, str]] = None) -> LMCacheConfig:
-    """Builds the configuration: defaults < YAML file < LMCACHE_* environment < `overrides`."""
+    """Builds the configuration: defaults < YAML file < LMCACHE_* environment < `overrides`. Raises one
+    ConfigError listing every problem of every source."""
     environ = os.environ if environ is None else environ
-    merged: dict[str, Any] = {}
+    loader = _Loader()
     path = environ.get(CONFIG_FILE_ENV)
-    sources = []
-    if path:
-        sources.append((f"file {path}", _read_yaml(path)))
-    env_values = {}
-    for name in list(FIELD_TYPES) + list(UNSUPPORTED_LMCACHE_KEYS):
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in environ:
-            env_values[name] = environ[env_name]
-    sources.append(("environment", env_values))
-    sources.append(("overrides", dict(overrides or {})))
-    for source, values in sources:
-        for name, value in values.items():
-            if not isinstance(name, str):
-                raise ConfigError(f"configuration keys must be strings, got {name!r} ({source})")
-            _check_key(name, source)
-            value = _coerce(name, value, source)
-            if name in FIELD_TYPES:
-                merged[name] = value
-    return LMCacheConfig(**merged)
+    entries = read_yaml(path, loader.problems) if path else []
+    entries += env_entries(environ, set(TOP_FIELDS) | set(UNSUPPORTED_LMCACHE_KEYS))
+    entries += code_entries(overrides)
+    for entry in entries:
+        loader.top(entry)
+    return loader.build()

@@ -46,12 +46,11 @@ def test_sync_mode_populates_before_returning_and_bad_modes_are_named():
 
 
 def test_config_values_map_to_modes():
-    from types import SimpleNamespace
-
+    from lmcache_vllm.config import ConfigError, LMCacheConfig
     from lmcache_vllm.storage.tiers import build_allocator
 
     def mode(value):
-        cfg = SimpleNamespace(max_local_cpu_size=1 / 1024, extra_config={"prefault_local_cpu": value})
+        cfg = LMCacheConfig(max_local_cpu_size=1 / 1024, extra_config={"prefault_local_cpu": value})
         alloc = build_allocator(cfg)
         alloc.close()
         if alloc.prefaulter is None:
@@ -60,6 +59,6 @@ def test_config_values_map_to_modes():
 
     assert mode(False) == mode("off") == "off"
     assert mode(True) == mode("background") == "background"
-    assert mode("sync") == "sync"
-    with pytest.raises(ValueError, match="extra_config.prefault_local_cpu='yes'.*'sync'"):
+    assert mode("sync") == mode("SYNC") == "sync"
+    with pytest.raises(ConfigError, match="extra_config.prefault_local_cpu='yes'.*'sync'"):
         mode("yes")

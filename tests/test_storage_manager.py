@@ -1,6 +1,7 @@
 """Tests for lmcache_vllm.storage.manager.StorageManager with real tiers (arena, files, redis-server):
 write-through, promotion, prefixes across tiers, dropped stores, faults, prefetch and clean shutdown."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -286,7 +287,7 @@ def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
         assert mgr.prefetch([key(0)]).wait(10) == 1 and mgr.stats()["prefetch_held"] == 1
     assert mgr.allocator.used_bytes == 0
     # timeout: a prefetch nobody gets or cancels lets go after prefetch_hold_secs
-    cfg.extra_config["prefetch_hold_secs"] = 0.2
+    cfg = dataclasses.replace(cfg, extra_config=dataclasses.replace(cfg.extra_config, prefetch_hold_secs=0.2))
     with StorageManager(cfg) as mgr:
         assert mgr.prefetch([key(i) for i in range(2)]).wait(10) == 2
         deadline = time.monotonic() + 5

@@ -19,16 +19,10 @@ exception to the caller:
 - `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
   and joins its thread and the backends' thread pools.
 
-Config (an `LMCacheConfig` or anything with the same attributes): `local_cpu`, `max_local_cpu_size` (GB),
-`local_disk`, `max_local_disk_size` (GB), `remote_url`, `blocking_timeout_secs` (get), `lookup_timeout_ms`
-(contains_prefix), and in `extra_config`: `remote_key_prefix` ("lmcache_vllm:"), `remote_ttl_secs`
-(None), `remote_timeout_secs` (2.0), `remote_max_connections` (16), `remote_read_groups` (1),
-`remote_read_batch_keys` (8),
-`remote_breaker_max_secs` (30), `write_queue_depth` (64), `write_workers` (4), `disk_io_threads` (8),
-`disk_fsync` (False), `disk_direct_io` (True: O_DIRECT writes where the file system allows),
-`close_drain_secs` (5.0), `prefetch_hold_secs` (30.0), `staging_buffer_size` (GB of arena when local_cpu
-is false and max_local_cpu_size is 0; default 1.0), `prefault_local_cpu` (false / "off"; "sync": populate the L1
-arena's pages before start-up ends; true / "background": on a low-priority thread; see `prefault.py`).
+Config: an `LMCacheConfig` (typed and defaulted; our own knobs are `config.extra_config`, declared in
+`config_extra.py`): the tier keys (see `tiers.py`), `blocking_timeout_secs` (get), `lookup_timeout_ms`
+(contains_prefix), `extra_config.write_queue_depth`, `write_workers`, `close_drain_secs`,
+`prefetch_hold_secs`.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
@@ -59,19 +54,19 @@ def _key_str(key: KeyLike) -> str:
 
 
 class StorageManager:
-    def __init__(self, config, *, allocator: Optional[HostAllocator] = None,
+    def __init__(self, config: LMCacheConfig, *, allocator: Optional[HostAllocator] = None,
                  key_filter: Optional[Callable[[str], bool]] = None):
-        extra = dict(getattr(config, "extra_config", None) or {})
-        self.get_timeout = float(getattr(config, "blocking_timeout_secs", None) or 10.0)
-        self.lookup_timeout = float(getattr(config, "lookup_timeout_ms", None) or 2000.0) / 1000.0
-        self.close_drain_secs = float(extra.get("close_drain_secs", 5.0))
-        self.prefetch_hold_secs = float(extra.get("prefetch_hold_secs", 30.0))
+        extra = config.extra_config
+        self.get_timeout = config.blocking_timeout_secs
+        self.lookup_timeout = config.lookup_timeout_ms / 1000.0
+        self.close_drain_secs = extra.close_drain_secs
+        self.prefetch_hold_secs = extra.prefetch_hold_secs
         self._holds = PrefetchHolds()
-        self._queue_depth = int(extra.get("write_queue_depth", 64))
-        self._num_writers = int(extra.get("write_workers", 4))
+        self._queue_depth = extra.write_queue_depth
+        self._num_writers = extra.write_workers
         self._owns_allocator = allocator is None
         self.allocator = allocator if allocator is not None else build_allocator(config)
-        self.l1 = LocalCPUBackend(self.allocator, keep_entries=bool(getattr(config, "local_cpu", True)))
+        self.l1 = LocalCPUBackend(self.allocator, keep_entries=config.local_cpu)
         self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
         self._counters: Counter = Counter()
         self._lock = threading.Lock()

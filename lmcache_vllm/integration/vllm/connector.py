@@ -124,7 +124,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                 engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,
                                                                  world_size),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
-                async_save=bool(self.config.extra_config.get("async_save", True)),
+                async_save=self.config.extra_config.async_save,
                 lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None)
         logger.info("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)

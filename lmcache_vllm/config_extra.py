@@ -1,0 +1,63 @@
+"""`ExtraConfig`: every key of ours that lives under `extra_config`, each declared once with its type,
+default, meaning and validation.
+
+LMCache keeps backend- and feature-specific settings in the free-form `extra_config` mapping; lmcache-vllm
+keeps its own less common knobs there too, but as a schema: a key is read only from here, typed and
+defaulted (`config.extra_config.write_queue_depth`), never with `extra_config.get("x", default)`. To add a
+key, add one field with `setting(default, meaning, check=...)`; the README table is generated from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lmcache_vllm.config_schema import (at_least, greater_than, normalize_fields, raise_if_any, setting,
+                                        size_gib)
+
+POSITIVE_INT = at_least(1, "an integer")
+SECONDS = greater_than(0, "seconds")
+
+
+@dataclass
+class ExtraConfig:
+    """lmcache-vllm's own settings under `extra_config` (see the module docstring)."""
+
+    # Saving
+    async_save: bool = setting(True, "store whole steps on a background save thread; false: inside the step")
+    write_queue_depth: int = setting(64, "write-throughs to L2/L3 waiting at most; beyond it a store is "
+                                         "dropped and counted (inference never waits)", check=POSITIVE_INT)
+    write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
+    close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
+                                      check=at_least(0, "seconds"))
+    prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "
+                                              "asked for them", check=SECONDS)
+    # L1 host memory
+    staging_buffer_size: float = setting(1.0, "GiB of arena to stage transfers in when local_cpu is false "
+                                              "and max_local_cpu_size is 0", check=size_gib)
+    prefault_local_cpu: str = setting("off", "back the L1 arena's pages with memory before serving: 'sync' "
+                                             "(during start-up), 'background' (low-priority thread) or 'off'",
+                                      choices=("off", "background", "sync"),
+                                      value_aliases={False: "off", True: "background"})
+    # L2 local disk
+    disk_io_threads: int = setting(8, "threads reading and writing chunk files", check=POSITIVE_INT)
+    disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
+    disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
+                                         "(file systems that refuse it are written normally)")
+    # L3 Redis
+    remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis key we write")
+    remote_ttl_secs: Optional[float] = setting(None, "expiry of stored chunks in Redis; null: never",
+                                               check=SECONDS)
+    remote_timeout_secs: float = setting(2.0, "timeout of one Redis call; past it: a miss",
+                                         check=SECONDS)
+    remote_max_connections: int = setting(16, "Redis connections in the pool", check=POSITIVE_INT)
+    remote_read_groups: int = setting(1, "concurrent groups one batched Redis read is split into",
+                                      check=POSITIVE_INT)
+    remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
+    remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
+                                             check=SECONDS)
+    # Configuration itself
+    strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
+
+    def __post_init__(self):
+        raise_if_any(normalize_fields(self, prefix="extra_config."))

@@ -1,0 +1,115 @@
+"""Where configuration values come from: the YAML file (each value with its file and line), the
+`LMCACHE_*` environment, and the mapping given in code; each value becomes an `Entry` with its `Origin`.
+
+Reading never raises: a file that cannot be read, is not UTF-8, is not YAML or is not a mapping is a
+`Problem` naming `LMCACHE_CONFIG_FILE` and the place, and loading goes on with the other sources so
+that one error lists everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from lmcache_vllm.config_schema import MISSING, Origin, Problem
+
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+ENV_PREFIX = "LMCACHE_"
+OVERRIDES_SOURCE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key as one source gives it. `children` holds the entries of a nested mapping (extra_config)
+    with their own lines, where the source knows them."""
+
+    key: Any
+    value: Any
+    origin: Origin
+    children: Optional[tuple["Entry", ...]] = None
+
+
+def file_origin(path: str, line: Optional[int] = None) -> Origin:
+    return Origin("file", f"{path}, line {line}" if line else path)
+
+
+def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
+    """The top-level keys of the YAML file at `path` (and of mappings one level down) with lines."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"cannot read the file: {exc.strerror or exc}",
+                                Origin("environment", CONFIG_FILE_ENV)))
+        return []
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"the file is not UTF-8 text (byte "
+                                f"0x{raw[exc.start]:02x} at offset {exc.start})", file_origin(path, line)))
+        return []
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return []
+        if not isinstance(root, yaml.MappingNode):
+            problems.append(Problem(CONFIG_FILE_ENV, path, "the file must hold a mapping of keys to values",
+                                    file_origin(path, root.start_mark.line + 1)))
+            return []
+        return _entries(loader, root, path, problems, depth=0)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"not valid YAML: {exc}".replace("\n", " "),
+                                file_origin(path, line)))
+        return []
+    finally:
+        loader.dispose()
+
+
+def _entries(loader: yaml.SafeLoader, node: yaml.MappingNode, path: str, problems: list[Problem],
+             depth: int) -> list[Entry]:
+    loader.flatten_mapping(node)  # YAML merge keys (<<)
+    entries: list[Entry] = []
+    first_line: dict[Any, int] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        origin = file_origin(path, line)
+        if isinstance(key, str) and key in first_line:
+            problems.append(Problem(key, MISSING, f"given twice (first on line {first_line[key]})", origin))
+            continue
+        if isinstance(key, str):
+            first_line[key] = line
+        value = loader.construct_object(value_node, deep=True)
+        children = None
+        if depth == 0 and isinstance(value_node, yaml.MappingNode):
+            children = tuple(_entries(loader, value_node, path, problems, depth + 1))
+        entries.append(Entry(key, value, origin, children))
+    return entries
+
+
+def env_entries(environ: Mapping[str, str], known: Any) -> list[Entry]:
+    """`LMCACHE_<KEY>` variables for every key in `known` (names in lower case)."""
+    entries = []
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in known:
+            entries.append(Entry(name[len(ENV_PREFIX):].lower(), _env_text(value),
+                                 Origin("environment", name)))
+    return entries
+
+
+def _env_text(value: str) -> str:
+    """As LMCache reads an environment value: surrounding blanks dropped, one pair of quotes removed."""
+    text = value.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def code_entries(values: Optional[Mapping[Any, Any]], source: str = OVERRIDES_SOURCE) -> list[Entry]:
+    return [Entry(key, value, Origin(source)) for key, value in dict(values or {}).items()]
