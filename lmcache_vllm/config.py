@@ -10,34 +10,40 @@ source are parsed to the key's type the same way (`config_schema.parse_value`: b
 Everything wrong with the configuration, from every source, is collected and raised as ONE `ConfigError`
 that names each key, its value, where it came from (file and line, environment variable, or
 kv_connector_extra_config) and what is accepted. An unknown key gets a "did you mean" only for a likely
-typo of a known key of the same type. An LMCache key that lmcache-vllm does not implement is accepted
-at LMCache's default value (the feature off), so LMCache YAML files keep working; any other value is an
-error saying so.
+typo of a known key of the same type. LMCache keys that lmcache-vllm does not take as they are (no-ops,
+keys mapped to ours, features we lack) are listed with the reason for each in `config_lmcache.py`; a
+feature we lack is accepted at LMCache's default (off), so LMCache YAML files keep working. Unknown
+`LMCACHE_*` environment variables are warnings (errors with `extra_config.strict_env`); our own
+non-configuration variables are declared in `config_sources.OWN_ENV_VARS`. `inspect_config` returns the
+problems and warnings instead of raising and logging them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
-from urllib.parse import urlsplit
 
 from lmcache_vllm.config_extra import ExtraConfig
-from lmcache_vllm.config_schema import (MISSING, ConfigError, Origin, Problem, at_least, check_setting,
-                                        did_you_mean, field_types, greater_than, normalize_fields,
+from lmcache_vllm.config_lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
+                                         LMCACHE_EXTRA_PREFIXES, LMCACHE_KEYS, MAPPED, MOONCAKE_KEYS, NOOP,
+                                         KeyRule)
+from lmcache_vllm.config_schema import (ConfigError, Origin, Problem, at_least, check_setting,
+                                        did_you_mean, field_types, greater_than, masked, normalize_fields,
                                         parse_setting, parse_value, raise_if_any, setting, size_gib)
-from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, Entry, code_entries, env_entries,
-                                         read_yaml)
+from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, OVERRIDES_SOURCE, Entry, code_entries,
+                                         env_entries, read_yaml)
+from lmcache_vllm.config_values import (normalize_local_disk, remote_url_problem, translate_lmcache_value,
+                                        with_credentials)
 
-__all__ = ["ConfigError", "ExtraConfig", "LMCacheConfig", "load_config", "CONFIG_FILE_ENV", "ENV_PREFIX"]
+__all__ = ["ConfigError", "ExtraConfig", "LMCacheConfig", "load_config", "inspect_config", "CONFIG_FILE_ENV",
+           "ENV_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # tokens.py implements these
-SUPPORTED_REMOTE_SCHEMES = ("redis", "rediss", "unix")
 GiB = 1 << 30
 
 
@@ -45,30 +51,39 @@ GiB = 1 << 30
 class LMCacheConfig:
     """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
 
-    chunk_size: int = setting(256, "tokens per stored chunk (any value; independent of vLLM's block size)",
-                              check=at_least(1, "an integer"))
-    local_cpu: bool = setting(True, "keep chunks in the L1 host-memory tier")
-    max_local_cpu_size: float = setting(5.0, "GiB of host memory for L1", check=size_gib)
-    local_disk: Optional[str] = setting(None, "L2 directory: /path, file:///path or a path relative to the "
-                                              "working directory; null or false: no disk tier",
-                                        value_aliases={False: None})
+    chunk_size: int = setting(
+        256, "tokens per stored chunk (any value; independent of vLLM's block size)",
+        check=at_least(1, "an integer"))
+    local_cpu: bool = setting(True, "L1 host-memory tier (false: the arena only stages transfers)")
+    max_local_cpu_size: float = setting(
+        5.0, "GiB of host memory for L1, reserved at start-up; pages are backed on first write "
+             "(see extra_config.prefault_local_cpu)", check=size_gib)
+    local_disk: Optional[str] = setting(
+        None, "L2 directory: /path, file:///path or a path relative to the working directory; null or "
+              "false: no disk tier", value_aliases={False: None})
     max_local_disk_size: float = setting(0.0, "GiB cap of L2 (> 0 when local_disk is set)", check=size_gib)
-    remote_url: Optional[str] = setting(None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., "
-                                              "unix:///path/to/redis.sock; null: no L3")
+    remote_url: Optional[str] = setting(
+        None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., unix:///path/to/redis.sock; "
+              "null: no L3")
     remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
                                 choices=("naive",), value_aliases={None: "naive"})
-    save_unfull_chunk: bool = setting(False, "also store the last, shorter chunk of a prompt")
+    save_unfull_chunk: bool = setting(
+        False, "also store the trailing partial chunk: an exact repeat then loads all but its last token "
+               "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
     save_decode_cache: bool = setting(False, "also store KV produced while decoding")
     use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
     cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
-    blocking_timeout_secs: float = setting(10.0, "longest any synchronous wait on the cache may take",
-                                           check=greater_than(0, "seconds"))
-    lookup_timeout_ms: int = setting(3000, "longest wait of a scheduler lookup; past it: a miss",
+    blocking_timeout_secs: float = setting(
+        10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",
+        check=greater_than(0, "seconds"))
+    lookup_timeout_ms: int = setting(3000, "upper bound of a scheduler lookup; past it: a miss",
                                      check=at_least(1, "milliseconds"))
-    pre_caching_hash_algorithm: str = setting("xxh3_128", "chunk digest (see tokens.py)",
-                                              choices=SUPPORTED_HASH_ALGORITHMS)
-    extra_config: ExtraConfig = setting(meaning="lmcache-vllm's own settings (config_extra.py)",
-                                        default_factory=ExtraConfig)
+    pre_caching_hash_algorithm: str = setting(
+        "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
+        choices=SUPPORTED_HASH_ALGORITHMS)
+    extra_config: ExtraConfig = setting(
+        meaning="lmcache-vllm's own settings (next table; config_extra.py); merged key by key across sources",
+        default_factory=ExtraConfig)
 
     def __post_init__(self):
         problems = normalize_fields(self, skip=("extra_config",))
@@ -91,7 +106,7 @@ class LMCacheConfig:
     def summary(self) -> str:
         """One line with every top-level key and the extra_config keys that differ from their default
         (for the start-up log; a password in remote_url is masked)."""
-        parts = [f"{f.name}={_masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
                  if f.name != "extra_config"]
         defaults = ExtraConfig()
         changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
@@ -103,137 +118,99 @@ TOP_FIELDS = {f.name: f for f in dataclasses.fields(LMCacheConfig)}
 TOP_TYPES = field_types(LMCacheConfig)
 EXTRA_FIELDS = {f.name: f for f in dataclasses.fields(ExtraConfig)}
 EXTRA_TYPES = field_types(ExtraConfig)
-FIELD_TYPES = {name: tp for name, tp in TOP_TYPES.items()}  # kept for callers of the old module
-# Keys of LMCache 0.5.6 that lmcache-vllm does not implement, with LMCache's default for each.
-# Setting one to its default is accepted (and ignored); any other value is a ConfigError.
-UNSUPPORTED_LMCACHE_KEYS: dict[str, Any] = {
-    "local_cpu_use_hugepages": False, "reserve_local_cpu_size": 0.0,
-    "local_disk_path_sharding": "by_gpu", "enable_blending": False, "blend_recompute_ratios": None,
-    "blend_thresholds": None, "blend_check_layers": None, "blend_min_tokens": 256,
-    "blend_special_str": " # # ", "retrieve_locations": None, "store_location": None,
-    "enable_p2p": False, "p2p_host": None, "p2p_init_ports": None, "p2p_lookup_ports": None,
-    "mp_host": None, "mp_port": 5555, "enable_controller": False, "lmcache_instance_id": None,
-    "controller_pull_url": None, "controller_reply_url": None, "lmcache_worker_ports": None,
-    "lmcache_worker_ids": None, "lmcache_worker_heartbeat_delay_time": 10,
-    "lmcache_worker_heartbeat_time": None, "enable_pd": False, "pd_role": None,
-    "pd_buffer_size": None, "pd_buffer_device": None, "pd_peer_host": None,
-    "pd_peer_init_port": None, "pd_peer_alloc_port": None, "pd_peer_query_port": None,
-    "pd_proxy_host": None, "pd_proxy_port": None, "pd_allocation_timeout_sec": math.inf,
-    "pd_shutdown_timeout_sec": 5.0, "pd_condition_poll_interval_sec": 0.005, "pd_max_prefill_len": 0,
-    "pd_backend_mode": "async", "pd_skip_proxy_notification": False, "pd_bidirectional": False,
-    "transfer_channel": None, "nixl_backends": None, "nixl_buffer_size": None,
-    "nixl_buffer_device": None, "gds_path": None, "gds_path_sharding": "by_gpu",
-    "gds_buffer_size": None, "maru_path": None, "maru_pool_size": 4.0, "use_gds": True,
-    "gds_backend": "cufile", "audit_actual_remote_url": None, "internal_api_server_host": "127.0.0.1",
-    "external_lookup_client": None, "py_enable_gc": True, "numa_mode": None,
-    "enable_async_loading": False, "internal_api_server_enabled": False,
-    "internal_api_server_port_start": 6999, "priority_limit": None,
-    "internal_api_server_include_index_list": None, "internal_api_server_socket_path_prefix": None,
-    "runtime_plugin_locations": None, "storage_plugins": None, "remote_storage_plugins": None,
-    "min_retrieve_tokens": 0, "hit_miss_ratio": None, "lookup_server_worker_ids": None,
-    "enable_scheduler_bypass_lookup": False, "script_allowed_imports": None,
-    "run_script_api_enabled": False, "enable_lazy_memory_allocator": False,
-    "lazy_memory_initial_ratio": 0.2, "lazy_memory_expand_trigger_ratio": 0.5,
-    "lazy_memory_step_ratio": 0.1, "lazy_memory_safe_size": 0.0, "enable_chunk_statistics": False,
-    "chunk_statistics_auto_start_statistics": False, "chunk_statistics_auto_exit_timeout_hours": 0.0,
-    "chunk_statistics_auto_exit_target_unique_chunks": 0,
-    "chunk_statistics_strategy": "memory_bloom_filter", "enable_kv_events": False,
-    "use_gpu_connector_v3": False, "pin_timeout_sec": 300, "pin_check_interval_sec": 30,
-    "remote_config_url": None, "app_id": None, "enable_hidden_state_cache": False,
-    "max_hidden_state_cpu_size": 2.0, "hidden_state_layers": None,
-    "hidden_states_retrieve_mode": "prefix_strict",
-    # LMCache's deprecated aliases
-    "enable_xpyd": False, "nixl_peer_host": None, "nixl_peer_init_port": None,
-    "nixl_peer_alloc_port": None, "nixl_proxy_host": None, "nixl_proxy_port": None,
-    "nixl_role": None, "controller_url": None, "lmcache_worker_port": None, "plugin_locations": None,
-    "external_backends": None,
-}
+_TOP_CANDIDATES = {**{k: r.lmcache_type for k, r in LMCACHE_KEYS.items()}, **TOP_TYPES}
+_EXTRA_CANDIDATES = {**{k: r.lmcache_type for k, r in LMCACHE_EXTRA_KEYS.items()}, **EXTRA_TYPES}
+_both = (set(TOP_FIELDS) & set(LMCACHE_KEYS)) | (set(EXTRA_FIELDS) & set(LMCACHE_EXTRA_KEYS))
+if _both:  # a key we implement must have left config_lmcache's tables
+    raise RuntimeError(f"keys both implemented and listed in config_lmcache.py: {sorted(_both)}")
 
 
-def _masked(value: Any) -> Any:
-    if isinstance(value, str) and "@" in value and "://" in value:
-        scheme, rest = value.split("://", 1)
-        userinfo, host = rest.rsplit("@", 1)
-        return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else value
-    return value
-
-
-# ---------------------------------------------------------------------------------- checks across keys
 def _check_together(cfg: LMCacheConfig) -> list[Problem]:
     problems: list[Problem] = []
     if cfg.local_cpu and cfg.max_local_cpu_bytes <= 0:
         problems.append(Problem("max_local_cpu_size", cfg.max_local_cpu_size,
                                 "expected a size > 0 while local_cpu is true"))
     if cfg.local_disk is not None:
-        cfg.local_disk, message = _normalize_local_disk(cfg.local_disk)
+        cfg.local_disk, message = normalize_local_disk(cfg.local_disk)
         if message:
             problems.append(Problem("local_disk", cfg.local_disk, message))
         elif cfg.max_local_disk_bytes <= 0:
             problems.append(Problem("max_local_disk_size", cfg.max_local_disk_size,
                                     "expected a size > 0 when local_disk is set"))
     if cfg.remote_url is not None:
-        message = _remote_url_problem(cfg.remote_url)
+        message = remote_url_problem(cfg.remote_url)
         if message:
             problems.append(Problem("remote_url", cfg.remote_url, message))
     return problems
 
 
-def _normalize_local_disk(value: str) -> tuple[str, Optional[str]]:
-    """As LMCache: 'file://' is dropped, so 'file:///abs' is /abs and 'file://rel/' the relative rel/."""
-    path = value[len("file://"):] if value.startswith("file://") else value
-    if "," in path:
-        return value, ("a single directory (LMCache's several comma-separated local_disk paths "
-                       "are not supported)")
-    if not path.strip():
-        return value, "a directory path"
-    return os.path.normpath(path), None
+@dataclass
+class ConfigReport:
+    """What `inspect_config` found: the configuration (None when there are problems), every problem,
+    and every warning (keys ignored or translated, unknown environment variables)."""
+
+    config: Optional[LMCacheConfig]
+    problems: list[Problem]
+    warnings: list[str]
 
 
-def _remote_url_problem(url: str) -> Optional[str]:
-    """What is wrong with a Redis URL (checked here so that redis-py never sees a bad one)."""
-    expected = ("a URL with scheme " + "/".join(SUPPORTED_REMOTE_SCHEMES)
-                + " (e.g. redis://127.0.0.1:6379/0 or unix:///run/redis.sock), or null")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"not a valid URL ({exc}); expected {expected}"
-    if parts.scheme not in SUPPORTED_REMOTE_SCHEMES:
-        return f"expected {expected}"
-    if parts.scheme == "unix":
-        return None if parts.path else "expected unix:///path/to/redis.sock"
-    if not parts.hostname:
-        return "expected redis://HOST[:PORT][/DB] (no host given)"
-    if port is not None and not 0 < port < 65536:
-        return "the port must be 1 to 65535"
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        return f"the database ({db!r}) must be a number: redis://HOST:PORT/DB"
-    return None
-
-
-# ---------------------------------------------------------------------------------- loading
 class _Loader:
-    """Collects every source's entries into field values, with the origin of each, and every problem."""
+    """Turns every source's entries into field values, with the origin of each, every problem and every
+    warning. Later entries win; extra_config merges key by key."""
 
     def __init__(self):
         self.problems: list[Problem] = []
+        self.warnings: list[str] = []
         self.values: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
         self.origins: dict[str, Origin] = {}
+        self.switches: dict[str, tuple[KeyRule, Entry]] = {}  # features we lack, switched on
+        self.members: dict[str, tuple[KeyRule, Entry]] = {}  # their settings, set to a non-default value
+        self.credentials: dict[str, str] = {}  # user/password of LMCache's resp:// remote_url
+        self.resp_url: Optional[Entry] = None
+        self.local_disk_true: Optional[Entry] = None
+        self.remote_url_given = False
+        self.refused_serde: Optional[Problem] = None
+
+    def warn(self, name: str, entry: Entry, text: str) -> None:
+        self.warnings.append(f"{name} ({entry.origin}): {text}")
 
     def top(self, entry: Entry) -> None:
         key = entry.key
         if not isinstance(key, str):
             self.problems.append(Problem(repr(key), entry.value, "keys must be strings", entry.origin))
-        elif key == "extra_config":
+            return
+        if entry.origin.source == OVERRIDES_SOURCE and key.startswith("lmcache."):
+            key, entry = key[len("lmcache."):], replace(entry, key=key[len("lmcache."):])  # LMCache's prefix
+        if key == "extra_config":
             self.extra_mapping(entry)
         elif key in TOP_FIELDS:
-            self._take(TOP_FIELDS[key], TOP_TYPES[key], key, entry, self.values)
-        elif key in UNSUPPORTED_LMCACHE_KEYS:
-            self._unsupported(key, entry)
+            self._top_field(key, entry)
+        elif key in LMCACHE_KEYS:
+            self._rule(key, LMCACHE_KEYS[key], entry, "")
         else:
-            self._unknown(key, entry, TOP_TYPES, "")
+            self._unknown(key, entry, _TOP_CANDIDATES, "")
+
+    def _top_field(self, key: str, entry: Entry) -> None:
+        if key == "local_disk" and (entry.value is True or str(entry.value).lower() == "true"):
+            self.local_disk_true = entry  # guides write local_disk: true + local_disk_path: DIR
+            return
+        if key == "remote_url":
+            self.remote_url_given = entry.value not in (None, "", "none", "null")
+        try:
+            value, note = translate_lmcache_value(key, entry.value)
+        except ValueError as exc:
+            problem = Problem(key, entry.value, str(exc), entry.origin)
+            if key == "remote_serde":
+                self.refused_serde = problem  # matters only with a remote_url: decided in finish()
+            else:
+                self.problems.append(problem)
+            return
+        if note:
+            self.warn(key, entry, note)
+            if key == "remote_url":
+                self.resp_url = entry
+        self._take(TOP_FIELDS[key], TOP_TYPES[key], key, replace(entry, value=value), self.values)
 
     def extra_mapping(self, entry: Entry) -> None:
         try:
@@ -249,8 +226,15 @@ class _Loader:
         key = entry.key
         if isinstance(key, str) and key in EXTRA_FIELDS:
             self._take(EXTRA_FIELDS[key], EXTRA_TYPES[key], f"extra_config.{key}", entry, self.extra)
+        elif isinstance(key, str) and key in LMCACHE_EXTRA_KEYS:
+            self._rule(key, LMCACHE_EXTRA_KEYS[key], entry, "extra_config.")
+        elif isinstance(key, str) and (key in MOONCAKE_KEYS or key.startswith(tuple(LMCACHE_EXTRA_PREFIXES))):
+            owner = next((v for p, v in LMCACHE_EXTRA_PREFIXES.items() if key.startswith(p)),
+                         "LMCache's Mooncake store")
+            self.warn(f"extra_config.{key}", entry, f"ignored: a setting of {owner}, which lmcache-vllm "
+                                                   f"does not have")
         else:
-            self._unknown(key, entry, EXTRA_TYPES, "extra_config.")
+            self._unknown(key, entry, _EXTRA_CANDIDATES, "extra_config.")
 
     def _take(self, f: dataclasses.Field, tp: Any, name: str, entry: Entry, into: dict) -> None:
         try:
@@ -265,18 +249,27 @@ class _Loader:
         into[f.name] = value
         self.origins[name] = entry.origin
 
-    def _unsupported(self, key: str, entry: Entry) -> None:
-        default = UNSUPPORTED_LMCACHE_KEYS[key]
-        value = entry.value
-        tp = type(default) if default is not None else Optional[str]
-        try:
-            value = parse_value(value, tp) if isinstance(value, str) else value
-        except ValueError:
-            pass
-        if value != default and not (default is None and value in ("", [], {})):
-            self.problems.append(Problem(key, entry.value, f"LMCache's '{key}' is not supported by "
-                                         f"lmcache-vllm (only its default {default!r} is accepted)",
-                                         entry.origin))
+    def _rule(self, key: str, rule: KeyRule, entry: Entry, prefix: str) -> None:
+        name = prefix + key
+        if rule.status == NOOP:
+            self.warn(name, entry, f"ignored: {rule.reason}")
+        elif rule.status == MAPPED and rule.target == "remote_url":
+            self.credentials[key] = str(entry.value)
+        elif rule.status == MAPPED:
+            self.warn(name, entry, f"taken as {rule.target} ({rule.reason})")
+            target = rule.target
+            if target.startswith("extra_config."):
+                self.extra_key(replace(entry, key=target[len("extra_config."):]))
+            else:
+                self.top(replace(entry, key=target))
+        else:
+            try:
+                value = parse_value(entry.value, rule.lmcache_type)
+            except ValueError:
+                value = entry.value
+            if value == rule.off or (rule.off is None and value in ("", [], {})):
+                return  # LMCache's default: the feature is off, as here
+            (self.members if rule.part_of else self.switches)[name] = (rule, entry)
 
     def _unknown(self, key: Any, entry: Entry, candidates: Mapping[str, Any], prefix: str) -> None:
         name = f"{prefix}{key}"
@@ -285,39 +278,110 @@ class _Loader:
             return
         hint = did_you_mean(key, entry.value, candidates)
         message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
-                   f"unknown key; lmcache-vllm's {prefix or ''}keys: {', '.join(candidates)}")
+                   f"unknown key: neither lmcache-vllm nor LMCache has it (README.md lists every key)")
         self.problems.append(Problem(name, entry.value, message, entry.origin))
 
-    def build(self) -> LMCacheConfig:
-        extra = ExtraConfig(**self.extra)
+    def environment(self, others: list[Entry]) -> None:
+        """LMCACHE_* variables that name no key: LMCache's own are ignored with a warning, the rest are
+        warned about, or refused under extra_config.strict_env."""
+        strict = self.extra.get("strict_env", False)
+        for entry in others:
+            name = entry.origin.where
+            known = LMCACHE_ENV_VARS.get(name) or next(
+                (v for p, v in LMCACHE_ENV_PREFIXES.items() if name.startswith(p)), None)
+            if known:
+                self.warnings.append(f"{name} (environment): ignored: {known}")
+                continue
+            hint = did_you_mean(entry.key, entry.value, _TOP_CANDIDATES)
+            if entry.key in EXTRA_FIELDS:
+                hint_text = f"; extra_config.{entry.key} is set with {ENV_PREFIX}EXTRA_CONFIG='{{...}}'"
+            else:
+                hint_text = f"; did you mean {ENV_PREFIX}{hint.upper()}?" if hint else ""
+            text = f"not a configuration key of lmcache-vllm or LMCache{hint_text}"
+            if strict:
+                self.problems.append(Problem(name, entry.value, text + " (extra_config.strict_env)",
+                                             entry.origin))
+            else:
+                self.warnings.append(f"{name} (environment): ignored: {text}")
+
+    def finish(self) -> Optional[LMCacheConfig]:
+        self._features()
+        if self.refused_serde is not None and self.remote_url_given:
+            self.problems.append(self.refused_serde)
+        elif self.refused_serde is not None:
+            self.warnings.append(f"remote_serde ({self.refused_serde.origin}): ignored: it encodes what "
+                                 f"remote_url stores, and no remote_url is set (LMCache ignores it too)")
+        if self.local_disk_true is not None and "local_disk" not in self.values:
+            self.problems.append(Problem(
+                "local_disk", True, "true names no directory: give it as local_disk: /path (or "
+                "local_disk_path: /path); false or null: no disk tier", self.local_disk_true.origin))
+        if self.credentials:
+            url = self.values.get("remote_url")
+            if self.resp_url is not None and url is not None and self.origins.get("remote_url") == \
+                    self.resp_url.origin:
+                self.values["remote_url"] = with_credentials(url, self.credentials.get("username", ""),
+                                                             self.credentials.get("password", ""))
+            else:
+                self.warnings.append("extra_config.username/password: ignored: only LMCache's resp:// "
+                                     "remote_url takes them; write redis://user:password@host:port")
         try:
-            config = LMCacheConfig(**self.values, extra_config=extra)
+            config = LMCacheConfig(**self.values, extra_config=ExtraConfig(**self.extra))
         except ConfigError as exc:
-            self.problems += [dataclasses.replace(p, origin=p.origin or self.origins.get(p.key))
-                              for p in exc.problems]
+            self.problems += [replace(p, origin=p.origin or self.origins.get(p.key)) for p in exc.problems]
             config = None
-        raise_if_any(self.problems)
-        return config
+        self.problems = list({str(p): p for p in self.problems}.values())
+        return None if self.problems else config
+
+    def _features(self) -> None:
+        """One problem per feature we lack that is switched on, listing its settings; the settings of a
+        feature that is off are ignored (by LMCache too) with a warning."""
+        listed: dict[str, list[str]] = {name: [] for name in self.switches}
+        for name, (rule, entry) in self.members.items():
+            on = [s for s in rule.part_of if s in self.switches]
+            if on:
+                listed[on[0]].append(name)
+            else:
+                self.warn(name, entry, f"ignored while {' / '.join(rule.part_of)} is off (by LMCache too)")
+        for name, (rule, entry) in self.switches.items():
+            also = f"; its settings here: {', '.join(listed[name])}" if listed[name] else ""
+            self.problems.append(Problem(name, entry.value, f"not supported by lmcache-vllm (only LMCache's "
+                                         f"default {rule.off!r} is accepted): {rule.reason}{also}",
+                                         entry.origin))
 
 
 def build_extra(mapping: Any, origin: Origin, problems: list[Problem]) -> ExtraConfig:
     """An ExtraConfig from a plain mapping (e.g. `LMCacheConfig(extra_config={...})` in code)."""
     loader = _Loader()
     loader.extra_mapping(Entry("extra_config", mapping, origin))
+    loader._features()
     problems += loader.problems
+    for warning in loader.warnings:
+        logger.warning("lmcache-vllm config: %s", warning)
     return ExtraConfig(**loader.extra)
 
 
-def load_config(overrides: Optional[Mapping[str, Any]] = None, *,
-                environ: Optional[Mapping[str, str]] = None) -> LMCacheConfig:
-    """Builds the configuration: defaults < YAML file < LMCACHE_* environment < `overrides`. Raises one
-    ConfigError listing every problem of every source."""
+def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
+                   environ: Optional[Mapping[str, str]] = None) -> ConfigReport:
+    """Reads every source (see the module docstring) and reports the configuration, every problem and
+    every warning, without raising or logging."""
     environ = os.environ if environ is None else environ
     loader = _Loader()
     path = environ.get(CONFIG_FILE_ENV)
     entries = read_yaml(path, loader.problems) if path else []
-    entries += env_entries(environ, set(TOP_FIELDS) | set(UNSUPPORTED_LMCACHE_KEYS))
-    entries += code_entries(overrides)
-    for entry in entries:
+    env, others = env_entries(environ, set(TOP_FIELDS) | set(LMCACHE_KEYS))
+    for entry in entries + env + code_entries(overrides):
         loader.top(entry)
-    return loader.build()
+    loader.environment(others)
+    config = loader.finish()
+    return ConfigReport(config, loader.problems, loader.warnings)
+
+
+def load_config(overrides: Optional[Mapping[str, Any]] = None, *,
+                environ: Optional[Mapping[str, str]] = None) -> LMCacheConfig:
+    """Builds the configuration: defaults < YAML file < LMCACHE_* environment < `overrides`. Logs one
+    warning line per key ignored or translated; raises one ConfigError listing every problem."""
+    report = inspect_config(overrides, environ=environ)
+    for warning in report.warnings:
+        logger.warning("lmcache-vllm config: %s", warning)
+    raise_if_any(report.problems)
+    return report.config

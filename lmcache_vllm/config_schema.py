@@ -49,7 +49,7 @@ class Problem:
     origin: Optional[Origin] = None
 
     def __str__(self) -> str:
-        head = self.key if self.value is MISSING else f"{self.key}={self.value!r}"
+        head = self.key if self.value is MISSING else f"{self.key}={masked(self.value)!r}"
         where = f" ({self.origin})" if self.origin is not None else ""
         return f"{head}{where}: {self.message}"
 
@@ -71,6 +71,18 @@ class ConfigError(ValueError):
     @property
     def keys(self) -> set[str]:
         return {p.key for p in self.problems}
+
+
+def masked(value: Any) -> Any:
+    """A URL with its password replaced by *** (for errors and logs); anything else unchanged."""
+    if isinstance(value, str) and "://" in value:
+        scheme, rest = value.split("://", 1)
+        netloc, sep, tail = rest.partition("/")
+        if "@" in netloc:
+            userinfo, host = netloc.rsplit("@", 1)
+            if ":" in userinfo:
+                return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{sep}{tail}"
+    return value
 
 
 def raise_if_any(problems: Sequence[Problem]) -> None:

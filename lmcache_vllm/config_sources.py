@@ -19,6 +19,19 @@ CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"
 OVERRIDES_SOURCE = "kv_connector_extra_config"
 
+# lmcache-vllm's own LMCACHE_* variables that are not configuration keys: never warned about. Every
+# LMCACHE_ name in the repository is one of these or a key (tests/test_config_lmcache.py checks).
+OWN_ENV_VARS = {
+    CONFIG_FILE_ENV: "the YAML configuration file",
+    "LMCACHE_VLLM_OPS": "auto (default) or torch: the compiled gather/scatter ops or the torch fallback",
+    "LMCACHE_VLLM_CPU_ISA": "forces the compiled CPU op's kernels (avx512, sse2, scalar)",
+    "LMCACHE_VLLM_MODEL_CACHE": "where the tests' local models are built",
+    "LMCACHE_VLLM_NO_EXT": "1: build no compiled extension (setup.py)",
+    "LMCACHE_VLLM_NO_CUDA_EXT": "1: build no CUDA extension (setup.py)",
+    "LMCACHE_VLLM_CUDA_ARCHS": "CUDA architectures make check-cuda compiles for",
+    "LMCACHE_VERSION": "the LMCache release scripts/make_lmcache_venv.sh installs for comparisons",
+}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -93,14 +106,16 @@ def _entries(loader: yaml.SafeLoader, node: yaml.MappingNode, path: str, problem
     return entries
 
 
-def env_entries(environ: Mapping[str, str], known: Any) -> list[Entry]:
-    """`LMCACHE_<KEY>` variables for every key in `known` (names in lower case)."""
-    entries = []
+def env_entries(environ: Mapping[str, str], known: Any) -> tuple[list[Entry], list[Entry]]:
+    """(`LMCACHE_<KEY>` variables of every key in `known`, the other LMCACHE_* variables except ours)."""
+    entries, others = [], []
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in known:
-            entries.append(Entry(name[len(ENV_PREFIX):].lower(), _env_text(value),
-                                 Origin("environment", name)))
-    return entries
+        if not name.startswith(ENV_PREFIX) or name in OWN_ENV_VARS:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        entry = Entry(key, _env_text(value), Origin("environment", name))
+        (entries if key in known else others).append(entry)
+    return entries, others
 
 
 def _env_text(value: str) -> str:
