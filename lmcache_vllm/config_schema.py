@@ -21,6 +21,7 @@ TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 NONE_WORDS = ("", "none", "null", "~")
 MAX_SIZE_GIB = float(1 << 20)  # 1 PiB: larger sizes are typos (and overflow byte counts)
+MAX_INT = (1 << 63) - 1  # integers go to C and numpy as int64
 MISSING: Any = dataclasses.MISSING
 
 Check = Callable[[Any], Optional[str]]  # returns what is accepted when the value is wrong, else None
@@ -148,12 +149,13 @@ def parse_value(value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ValueError("expected an integer, not a bool")
-        if isinstance(value, int):
-            return value
-        number = _number(value)
-        if number is not None and math.isfinite(number) and number.is_integer():
-            return int(number)
-        raise ValueError("expected an integer")
+        number = value if isinstance(value, int) else _number(value)
+        if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+            number = int(number)
+        if isinstance(number, int) and abs(number) <= MAX_INT:
+            return number
+        raise ValueError(f"expected an integer (at most {MAX_INT})" if isinstance(number, (int, float))
+                         else "expected an integer")
     if tp is float:
         if isinstance(value, bool):
             raise ValueError("expected a number, not a bool")

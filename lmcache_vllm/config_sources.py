@@ -67,9 +67,9 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
-        if root is None:
-            return []
-        if not isinstance(root, yaml.MappingNode):
+        if root is None or (isinstance(root, yaml.ScalarNode) and loader.construct_object(root) is None):
+            return []  # no document, or only null: no keys (as LMCache reads it)
+        if not isinstance(root, yaml.MappingNode) or root.tag != "tag:yaml.org,2002:map":
             problems.append(Problem(CONFIG_FILE_ENV, path, "the file must hold a mapping of keys to values",
                                     file_origin(path, root.start_mark.line + 1)))
             return []

@@ -198,6 +198,33 @@ def test_every_problem_of_every_source_in_one_error(tmp_path):
         assert fragment in text
 
 
+WEIRD_VALUES = [None, [], {}, "x", "", -1, 0, 3.5, 1e300, -math.inf, math.nan, True, {"a": [1]}, [None],
+                "\x00", 10 ** 400, "1e300", "[", "{", "redis://[::1", b"bytes", 2 ** 63, "9" * 30]
+
+
+def test_no_value_of_any_key_crashes():
+    keys = list(config_mod.TOP_FIELDS) + list(config_mod.LMCACHE_KEYS)
+    extra = list(config_mod.EXTRA_FIELDS) + list(config_mod.LMCACHE_EXTRA_KEYS)
+    for value in WEIRD_VALUES:  # every outcome is a config, or problems: never an exception
+        for key in keys:
+            config_mod.inspect_config({key: value}, environ={})
+            config_mod.inspect_config(environ={f"LMCACHE_{key.upper()}": str(value)})
+        for key in extra:
+            config_mod.inspect_config({"extra_config": {key: value}}, environ={})
+    assert "expected an integer (at most 9223372036854775807)" in str(problems_of({"chunk_size": 10 ** 400}))
+
+
+@pytest.mark.parametrize("text,loads", [
+    ("!!python/object:os.system {}\n", False), ("a: &x [*x]\n", False), ("? [1, 2]\n: 3\n", False),
+    ("\tchunk_size: 1\n", False), ("---\na: 1\n---\nb: 2\n", False), ("null\n", True), ("[]\n", False),
+    ("extra_config:\n  ? [1]\n  : 2\n", False), ("<<: {chunk_size: 64}\n", True),
+    ("chunk_size: !!binary aGVsbG8=\n", False), ("local_disk: 2001-01-01\n", False),
+    ("\ufeffchunk_size: 64\r\nlocal_cpu: true\r\n", True), ("x" * 100000 + ": 1\n", False)])
+def test_no_yaml_shape_crashes(tmp_path, text, loads):
+    report = config_mod.inspect_config(environ=write_yaml(tmp_path, text))
+    assert (report.config is not None) == loads and all(p.origin is not None for p in report.problems)
+
+
 def test_direct_construction_is_validated():
     with pytest.raises(ConfigError, match="chunk_size"):
         LMCacheConfig(chunk_size=-1)
