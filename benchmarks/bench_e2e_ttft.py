@@ -175,10 +175,10 @@ def main() -> None:
                 "phases": throughput_phases}, hash_seed=1)
             tput["ours"]["phases"] += run["phases"]
             # What the connector itself spent, from its own counters (all batches, warm-up included).
-            worker, scheduler = run["stats"].get("worker", {}), run["stats"].get("scheduler", {})
-            step_costs["save_wait_s"] += worker.get("save_wait_s", 0.0)
-            step_costs["save_s"] += worker.get("save_s", 0.0)
-            step_costs["lookup_s"] += scheduler.get("lookup_s", 0.0)
+            stats = run["stats"]
+            step_costs["save_wait_s"] += stats.get("save_wait_seconds", 0.0)
+            step_costs["save_s"] += stats.get("store_seconds.sum", 0.0)
+            step_costs["lookup_s"] += stats.get("lookup_seconds.sum", 0.0)
             step_costs["batches"] += len(throughput_phases)
 
     # Best of N everywhere: on a shared machine the noise only ever adds time.

@@ -22,12 +22,11 @@ from lmcache_vllm.testing.vllm_jobs import connector_config, phase_results, rand
 
 
 def _tier(stats: dict) -> str:
-    storage = stats.get("storage", {})
-    if storage.get("redis.hits"):
+    if stats.get("chunk_hits.redis"):
         return "L3 redis"
-    if storage.get("local_disk.hits"):
+    if stats.get("chunk_hits.local_disk"):
         return "L2 disk"
-    if storage.get("local_cpu_hits"):
+    if stats.get("chunk_hits.local_cpu"):
         return "L1 memory"
     return "-"
 

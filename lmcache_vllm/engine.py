@@ -12,6 +12,7 @@ from typing import Generator, Sequence
 
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.memory import MemoryObj
@@ -20,23 +21,6 @@ from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.tokens import CacheKey, KeyBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters of what the engine did; all token counts, never bytes."""
-
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    stored_tokens: int = 0
-    skipped_store_tokens: int = 0  # already present, not written again
-    retrieved_tokens: int = 0
-    retrieve_requests: int = 0
-    failed_stores: int = 0
-    shape_mismatches: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -87,7 +71,6 @@ class CacheEngine:
         self.keys = key_builder
         self._owns_storage = storage is None
         self.storage = storage if storage is not None else StorageManager(config)
-        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ helpers
     def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
@@ -101,14 +84,14 @@ class CacheEngine:
             return []
         present = self.storage.contains([c.key for c in chunks])
         todo = [c for c, p in zip(chunks, present) if not p]
-        self.stats.skipped_store_tokens += sum(c.num_tokens for c, p in zip(chunks, present) if p)
+        metrics.inc("store_skipped_tokens", sum(c.num_tokens for c, p in zip(chunks, present) if p))
         return todo
 
     def _allocate(self, chunk: _Chunk) -> MemoryObj | None:
         try:
             return self.storage.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.geometry.dtype)
         except Exception as exc:  # a full arena must never break inference
-            self.stats.failed_stores += 1
+            metrics.inc("dropped_stores", reason="arena_full")
             logger.warning("store of chunk %s dropped: %s", chunk.key.to_str(), exc)
             return None
 
@@ -122,7 +105,7 @@ class CacheEngine:
             expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
             if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
                 # Same key, different geometry: another model config wrote it. Treat as a miss.
-                self.stats.shape_mismatches += 1
+                metrics.inc("shape_mismatches")
                 logger.warning("chunk %s has shape %s %s, expected %s %s; ignored", chunk.key.to_str(),
                                tuple(obj.tensor.shape), obj.tensor.dtype, expected, self.layout.geometry.dtype)
                 break
@@ -144,14 +127,11 @@ class CacheEngine:
     # ------------------------------------------------------------------ public API
     def lookup(self, tokens, extra: ExtraKeys | None = None) -> int:
         """Number of leading tokens whose KV is available in some tier (whole chunks only)."""
-        self.stats.lookups += 1
         chunks = self._chunks(tokens, True, extra)
         if not chunks:
             return 0
         hits = self.storage.contains_prefix([c.key for c in chunks])
-        num = chunks[hits - 1].end if hits else 0
-        self.stats.lookup_hit_tokens += num
-        return num
+        return chunks[hits - 1].end if hits else 0
 
     def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
               extra: ExtraKeys | None = None) -> int:
@@ -171,7 +151,7 @@ class CacheEngine:
                 stored += chunk.num_tokens
             finally:
                 obj.ref_down()
-        self.stats.stored_tokens += stored
+        metrics.inc("stored_tokens", stored)
         return stored
 
     def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
@@ -182,7 +162,6 @@ class CacheEngine:
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         loaded = torch.zeros(num_tokens, dtype=torch.bool)
         plan = self._plan_retrieve(tokens, mask, extra)
-        self.stats.retrieve_requests += 1
         try:
             for chunk, obj in zip(plan.chunks, plan.objs):
                 self.layout.scatter(obj.tensor, kv_caches, self._masked_slots(slot_mapping, mask, chunk))
@@ -190,7 +169,7 @@ class CacheEngine:
         finally:
             for obj in plan.objs:
                 obj.ref_down()
-        self.stats.retrieved_tokens += int(loaded.sum())
+        metrics.inc("loaded_tokens", int(loaded.sum()))
         return loaded
 
     def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
@@ -220,7 +199,7 @@ class CacheEngine:
             for chunk, obj in zip(chunks, objs):
                 self.storage.put(chunk.key, obj)
                 stored += chunk.num_tokens
-            self.stats.stored_tokens += stored
+            metrics.inc("stored_tokens", stored)
             return stored
         finally:
             for obj in objs:
@@ -234,14 +213,13 @@ class CacheEngine:
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         plan = self._plan_retrieve(tokens, mask, extra)
-        self.stats.retrieve_requests += 1
         try:
             loaded = torch.zeros(num_tokens, dtype=torch.bool)
             slots = []
             for chunk in plan.chunks:
                 loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
                 slots.append(self._masked_slots(slot_mapping, mask, chunk))
-            self.stats.retrieved_tokens += int(loaded.sum())
+            metrics.inc("loaded_tokens", int(loaded.sum()))
             yield loaded
             for layer in range(self.layout.num_layers):
                 for obj, chunk_slots in zip(plan.objs, slots):

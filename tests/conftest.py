@@ -1,5 +1,6 @@
 """Shared test fixtures: a real `redis-server` for the session (`redis_server`), a fresh key prefix per
-test (`redis_prefix`), and `make_chunk` for deterministic chunk tensors."""
+test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, and fresh process metrics for
+every test (`lmcache_vllm.metrics` counts per process)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ class RedisServer:
     def ensure_running(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self.start()
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics():
+    from lmcache_vllm import metrics
+
+    metrics.RECORDER.reset()
+    metrics.set_primary(True)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import CpuVecLayout
@@ -112,7 +113,7 @@ def test_store_mask_and_dedup(engine):
     assert engine.store(tokens, src, slots, mask=mask) == 64
     assert engine.lookup(tokens) == 0  # no prefix without chunk 0
     assert engine.store(tokens, src, slots) == 32  # only the missing chunk is written
-    assert engine.stats.skipped_store_tokens == 64
+    assert metrics.value("store_skipped_tokens") == 64
     assert engine.lookup(tokens) == 96
 
 
@@ -184,12 +185,12 @@ def test_no_refs_leak(engine):
     engine.store(tokens, make_caches(True), slots_for(96, seed=1))
     for _ in range(3):
         engine.retrieve(tokens, make_caches(False), slots_for(96, seed=2))
-    stats = engine.storage.stats()
-    assert stats["local_cpu.entries"] == 3 and stats["local_cpu.used_bytes"] > 0
+    assert metrics.value("resident_chunks", tier="local_cpu") == 3
+    assert metrics.value("used_bytes", tier="local_cpu") > 0
     # Only the cache's own reference is left on each object: clearing frees every byte.
     engine.clear()
     assert engine.lookup(tokens) == 0
-    assert engine.storage.stats()["local_cpu.used_bytes"] == 0
+    assert metrics.value("used_bytes", tier="local_cpu") == 0
 
 
 def test_extra_keys_separate_stored_kv(engine):

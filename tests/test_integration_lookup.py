@@ -8,6 +8,7 @@ import time
 import pytest
 import zmq
 
+from lmcache_vllm import metrics
 from lmcache_vllm.integration.vllm.lookup import (
     LookupClient,
     LookupServer,
@@ -52,7 +53,7 @@ def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     try:
         assert client.lookup(list(range(600))) == 256
         assert seen == [list(range(600))]
-        assert client.direct_lookups == 0
+        assert metrics.value("lookups_in_process") == 0
     finally:
         client.close()
         s0.close()
@@ -66,7 +67,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
         t0 = time.monotonic()
         assert client.lookup([1, 2, 3]) == 0
         assert time.monotonic() - t0 < 1.0
-        assert client.timeouts == 1
+        assert metrics.value("lookup_timeouts") == 1
     finally:
         client.close()
 
@@ -116,12 +117,12 @@ def test_servers_in_the_same_process_are_called_directly(sock_dir):
     client = LookupClient([s0.address, s1.address], timeout_ms=50)
     try:
         assert client.lookup(list(range(300))) == 299  # minimum over ranks, as over the sockets
-        assert client.direct_lookups == 1
+        assert metrics.value("lookups_in_process") == 1
         s1._lookup_fn = lambda t: 1 // 0  # a failing lookup is 0 hits here too
         assert client.lookup([5]) == 0
         s1.close()  # a rank no longer local: the sockets are used (and time out here)
         assert client.lookup([5]) == 0
-        assert client.direct_lookups == 2 and client.timeouts == 1
+        assert metrics.value("lookups_in_process") == 2 and metrics.value("lookup_timeouts") == 1
     finally:
         client.close()
         s0.close()

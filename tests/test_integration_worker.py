@@ -3,6 +3,7 @@ import threading
 
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine
@@ -31,7 +32,7 @@ def test_background_save_then_load_round_trips():
         assert worker._saver is not None  # the save went to the background thread
         # A lookup waits for the pending save, so a prompt sent right after finds it.
         assert worker._lookup(tokens) == 3 * CHUNK
-        assert worker.stats.stored_tokens == 3 * CHUNK
+        assert metrics.value("stored_tokens") == 3 * CHUNK
 
         # Load into other blocks of the same caches, then compare the KV.
         new_blocks = list(range(40, 40 + 3 * CHUNK // BLOCK))
@@ -44,8 +45,9 @@ def test_background_save_then_load_round_trips():
         engine = worker.engine
         assert torch.equal(kv_of(engine, caches, old), kv_of(engine, caches, new))
         # Time spent is counted: storing (background), loading (in the step).
-        stats = worker.stats
-        assert stats.save_s > 0 and stats.load_s > 0 and stats.save_wait_s >= 0
+        stats = metrics.flat(metrics.snapshot())
+        assert stats["store_seconds.sum"] > 0 and stats["load_seconds.sum"] > 0
+        assert stats["store_seconds.count"] == stats["load_seconds.count"] == 1
     finally:
         worker.shutdown()
 

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec, local_disk
 from lmcache_vllm.storage.local_disk import LocalDiskBackend, filename_for
@@ -97,7 +98,7 @@ async def test_corrupt_file_is_a_miss_and_removed(tmp_path, alloc, make_chunk, d
         data = data[:6000]
     path.write_bytes(bytes(data))
     assert await disk.get(key(1), alloc) is None
-    assert not path.exists() and disk.counters["corrupt"] == 1
+    assert not path.exists() and metrics.value("corrupt_chunks", tier="local_disk") == 1
     assert await disk.contains([key(1)]) == [False]
     await disk.close()
 
@@ -110,7 +111,7 @@ async def test_truncated_file_is_removed_at_startup(tmp_path, make_chunk):
     path.write_bytes(path.read_bytes()[:5000])
     disk2 = LocalDiskBackend(str(tmp_path), 1 << 20)
     assert await disk2.contains([key(1)]) == [False]
-    assert not path.exists() and disk2.counters["corrupt"] == 1
+    assert not path.exists() and metrics.value("corrupt_chunks", tier="local_disk") == 1
     await disk2.close()
 
 
@@ -139,7 +140,7 @@ async def test_size_cap_evicts_least_recently_used(tmp_path, alloc, make_chunk):
     assert len(os.listdir(tmp_path)) == 3 and disk.used_bytes == 3 * FILE_BYTES
     big = obj_of(torch.zeros(4 * FILE_BYTES, dtype=torch.uint8))
     assert not await disk.put(key(99), big)  # larger than the whole cap: dropped, nothing evicted
-    assert disk.counters["stores_dropped"] == 1 and len(os.listdir(tmp_path)) == 3
+    assert metrics.value("failed_writes", tier="local_disk") == 1 and len(os.listdir(tmp_path)) == 3
     await disk.close()
 
 
@@ -170,7 +171,7 @@ async def test_full_disk_drops_stores_without_crashing(tiny_fs, alloc, make_chun
     disk = LocalDiskBackend(str(tiny_fs / "cache"), 1 << 30)  # the cap is not what stops it
     results = [await disk.put(key(i), obj_of(make_chunk(i, CHUNK))) for i in range(10)]
     assert results[0] and not all(results)
-    assert disk.counters["disk_full"] >= 1 and disk.counters["stores_dropped"] >= 1
+    assert metrics.value("failed_writes", tier="local_disk") >= 1
     assert not [n for n in os.listdir(tiny_fs / "cache") if n.startswith(".tmp-")]
     stored = [i for i, ok in enumerate(results) if ok]
     got = await disk.get_many([key(i) for i in stored], alloc)

@@ -13,6 +13,7 @@ import time
 import redis
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.storage.local_disk import filename_for
 from lmcache_vllm.storage.manager import StorageManager
@@ -54,7 +55,7 @@ def test_l1_round_trip_and_prefix(make_chunk):
         assert mgr.contains([key(0), key(5), key(2)]) == [True, False, True]
         assert mgr.contains_prefix([key(0), key(1), key(5), key(2)]) == 2
         check_and_release(mgr.get([key(0), key(1), key(5), key(2)]), chunks[:2])
-        assert mgr.stats()["local_cpu_hits"] == 2
+        assert metrics.value("chunk_hits", tier="local_cpu") == 2
 
 
 def test_write_through_promotion_and_restart(tmp_path, redis_server, redis_prefix, make_chunk):
@@ -74,11 +75,11 @@ def test_write_through_promotion_and_restart(tmp_path, redis_server, redis_prefi
         raw.delete(redis_prefix + key(1))  # chunk 1 only on disk
         assert mgr.contains_prefix([key(i) for i in range(5)]) == 4
         check_and_release(mgr.get([key(i) for i in range(5)]), chunks)
-        stats = mgr.stats()
-        assert stats["local_disk_hits"] == 3 and stats["redis_hits"] == 1
+        assert metrics.value("chunk_hits", tier="local_disk") == 3
+        assert metrics.value("chunk_hits", tier="redis") == 1
         assert all(mgr.l1.contains_sync(key(i)) for i in range(4))  # promoted
         check_and_release(mgr.get([key(2)]), chunks[2:3])
-        assert mgr.stats()["redis_hits"] == 1  # served by L1 this time
+        assert metrics.value("chunk_hits", tier="redis") == 1  # served by L1 this time
         raw.close()
     # a restarted process (new manager) finds the disk chunks again
     with StorageManager(config(local_disk=str(tmp_path), max_local_disk_size=0.01)) as mgr2:
@@ -97,7 +98,7 @@ def test_full_write_queue_drops_stores(redis_server, redis_prefix, make_chunk):
             for i in range(6):
                 store(mgr, i, make_chunk(i, CHUNK))
             assert time.monotonic() - start < 0.5  # put never waits for the slow tier
-            assert mgr.stats()["stores_dropped"] == 4
+            assert metrics.value("dropped_stores", reason="queue_full") == 4
             assert all(mgr.l1.contains_sync(key(i)) for i in range(6))  # L1 has them all
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
@@ -145,7 +146,9 @@ def test_redis_killed_mid_run_then_restarted(redis_server, redis_prefix, make_ch
             store(mgr, 1, make_chunk(1, CHUNK))  # no exception; the write-through is dropped
             assert mgr.flush()
             assert time.monotonic() - start < 2.0
-            assert mgr.stats()["redis.errors"] >= 1
+            assert metrics.value("failed_reads", tier="redis") >= 1
+            assert metrics.value("failed_writes", tier="redis") >= 1
+            assert metrics.value("breaker_open", tier="redis") == 1
         finally:
             redis_server.restart()
         mgr.l1.clear_sync()
@@ -171,7 +174,7 @@ def test_frozen_redis_get_returns_within_timeout(redis_server, redis_prefix, mak
             start = time.monotonic()
             assert len(mgr.get([key(0), key(1)])) == 1  # L1 answers, the frozen tier times out
             assert time.monotonic() - start < 1.0
-            assert mgr.stats()["get_timeouts"] == 1
+            assert metrics.value("storage_timeouts", op="get") == 1
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
 
@@ -183,7 +186,7 @@ def test_corrupt_redis_entry_is_counted_and_removed(redis_server, redis_prefix, 
                                extra={"remote_key_prefix": redis_prefix})) as mgr:
         assert mgr.contains_prefix([key(0)]) == 1  # it exists ...
         assert mgr.get([key(0)]) == []  # ... but is not a chunk
-        assert mgr.stats()["corrupt_entries"] == 1
+        assert metrics.value("corrupt_chunks", tier="redis") == 1
         assert raw.exists(redis_prefix + key(0)) == 0
     raw.close()
 
@@ -254,7 +257,7 @@ def test_staging_only_l1(tmp_path, make_chunk):
         assert mgr.flush()
         assert len(mgr.l1) == 0
         check_and_release(mgr.get([key(0)]), [make_chunk(0, CHUNK)])
-        assert mgr.allocator.used_bytes == 0 and mgr.stats()["local_disk_hits"] == 1
+        assert mgr.allocator.used_bytes == 0 and metrics.value("chunk_hits", tier="local_disk") == 1
 
 
 def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
@@ -268,32 +271,32 @@ def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
             assert mgr.flush()
         mgr.l1.clear_sync()
         handle = mgr.prefetch([key(i) for i in range(4)])
-        assert handle.wait(10) == 4 and mgr.stats()["prefetch_held"] == 4
-        disk_hits = mgr.stats()["local_disk_hits"]
+        assert handle.wait(10) == 4 and metrics.value("prefetch_held_chunks") == 4
+        disk_hits = metrics.value("chunk_hits", tier="local_disk")
         # Another request's get would evict chunks 0-3 under plain LRU; held, they stay.
         assert mgr.get([key(i) for i in range(4, 8)]) == []
         check_and_release(mgr.get([key(i) for i in range(4)]), chunks[:4])
-        assert mgr.stats()["local_disk_hits"] == disk_hits  # served from memory, not re-read
-        assert mgr.stats()["prefetch_held"] == 0  # the get took the holds over
+        assert metrics.value("chunk_hits", tier="local_disk") == disk_hits  # served from memory, not re-read
+        assert metrics.value("prefetch_held_chunks") == 0  # the get took the holds over
         # cancel: every hold released, nothing but L1's own entries left in the arena
         mgr.l1.clear_sync()
         handle = mgr.prefetch([key(i) for i in range(4, 8)])
-        assert handle.wait(10) == 4 and mgr.stats()["prefetch_held"] == 4
+        assert handle.wait(10) == 4 and metrics.value("prefetch_held_chunks") == 4
         handle.cancel()
-        assert mgr.stats()["prefetch_held"] == 0
+        assert metrics.value("prefetch_held_chunks") == 0
         assert mgr.allocator.num_live == len(mgr.l1)
         # close releases holds too
         mgr.l1.clear_sync()
-        assert mgr.prefetch([key(0)]).wait(10) == 1 and mgr.stats()["prefetch_held"] == 1
+        assert mgr.prefetch([key(0)]).wait(10) == 1 and metrics.value("prefetch_held_chunks") == 1
     assert mgr.allocator.used_bytes == 0
     # timeout: a prefetch nobody gets or cancels lets go after prefetch_hold_secs
     cfg = dataclasses.replace(cfg, extra_config=dataclasses.replace(cfg.extra_config, prefetch_hold_secs=0.2))
     with StorageManager(cfg) as mgr:
         assert mgr.prefetch([key(i) for i in range(2)]).wait(10) == 2
         deadline = time.monotonic() + 5
-        while mgr.stats()["prefetch_held"] and time.monotonic() < deadline:
+        while metrics.value("prefetch_held_chunks") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert mgr.stats()["prefetch_held"] == 0
+        assert metrics.value("prefetch_held_chunks") == 0
         assert mgr.allocator.num_live == len(mgr.l1) == 2
 
 
@@ -309,7 +312,7 @@ def test_two_live_processes_share_a_disk_directory(tmp_path, make_chunk):
         assert reader.contains([key(0), key(1), key(2)]) == [True, True, False]
         assert reader.contains_prefix([key(0), key(1), key(2)]) == 2
         check_and_release(reader.get([key(0), key(1), key(2)]), [make_chunk(0, CHUNK), make_chunk(1, CHUNK)])
-        assert reader.stats()["local_disk.adopted"] == 2
+        assert metrics.value("adopted_chunks", tier="local_disk") == 2
         # a file the other process removed is a miss again (never a stale hit)
         store(writer, 3, make_chunk(3, CHUNK))
         assert writer.flush()

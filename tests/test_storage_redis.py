@@ -12,6 +12,7 @@ import pytest
 import redis
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.redis_backend import RedisBackend
@@ -72,7 +73,7 @@ async def test_garbage_value_is_a_miss_and_deleted(redis_server, redis_prefix, a
     assert await backend.put_bytes(key(1), bytes(good))
     assert await backend.put_bytes(key(2), b"\x80\x04 not a chunk at all")
     assert await backend.get_many([key(1), key(2)], alloc_fn(allocator)) == [None, None]
-    assert backend.counters["corrupt"] == 2
+    assert metrics.value("corrupt_chunks", tier="redis") == 2
     assert await backend.contains([key(1), key(2)]) == [False, False]
     await backend.close()
 
@@ -93,7 +94,9 @@ async def test_killed_server_gives_fast_misses_then_recovers(redis_server, redis
         for _ in range(20):  # while open: no network calls at all
             assert await backend.get(key(1), alloc_fn(allocator)) is None
         assert time.monotonic() - start < 2.0
-        assert backend.counters["breaker_skips"] >= 1 and backend.counters["errors"] >= 1
+        assert metrics.value("breaker_skipped_calls", tier="redis") >= 1
+        assert metrics.value("failed_reads", tier="redis") >= 20  # every read while down or open
+        assert metrics.value("failed_writes", tier="redis") == 1
     finally:
         redis_server.restart()  # a fresh, empty server on the same port
     # the breaker lets a probe through after its backoff; until then puts are dropped
@@ -159,7 +162,7 @@ async def test_pipelined_batches_cancel_and_reuse(redis_server, redis_prefix, al
         if obj is not None:
             assert torch.equal(obj.tensor, chunks[i])
             obj.ref_down()
-    assert backend.counters["corrupt"] == 1 and backend.counters["misses"] == 1
+    assert metrics.value("corrupt_chunks", tier="redis") == 1
     keys = [key(i) for i in range(7)]
     for delay in (0, 0.0005, 0.001, 0.002, 0.005):
         task = asyncio.ensure_future(backend.get_many(keys, alloc_fn(allocator)))

@@ -2,7 +2,8 @@
 
 Backends are asynchronous and run on the StorageManager's event loop; keys are key strings
 (`CacheKey.to_str()`), values are `MemoryObj`s from the manager's `HostAllocator`. A backend never raises
-for a missing, corrupt or unreachable entry: it answers a miss and counts what happened in `counters`.
+for a missing, corrupt or unreachable entry: it answers a miss and counts what happened in `metrics`
+(labelled with its `name`); `gauges()` reports its size and health.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from collections import Counter
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,9 +25,6 @@ class StorageBackend(abc.ABC):
     """One storage tier. Defaults are no-ops so that a tier only implements what it supports."""
 
     name: str = "backend"
-
-    def __init__(self) -> None:
-        self.counters: Counter = Counter()
 
     @abc.abstractmethod
     async def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -54,8 +51,9 @@ class StorageBackend(abc.ABC):
     async def close(self) -> None:
         return None
 
-    def stats(self) -> dict:
-        return dict(self.counters)
+    def gauges(self) -> dict[str, float]:
+        """Gauge name -> value now (`used_bytes`, `capacity_bytes`, `resident_chunks`, ...)."""
+        return {}
 
 
 def release_objs(objs) -> None:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import AllocationError, HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import AllocFn, StorageBackend
 
@@ -22,7 +23,6 @@ class LocalCPUBackend(StorageBackend):
     name = "local_cpu"
 
     def __init__(self, allocator: HostAllocator, *, keep_entries: bool = True):
-        super().__init__()
         self.allocator = allocator
         # keep_entries=False (config local_cpu: False): the arena is only a staging area for transfers.
         self.keep_entries = keep_entries
@@ -38,8 +38,7 @@ class LocalCPUBackend(StorageBackend):
         """Allocation for reads from lower tiers: never waits; None when memory is held by others."""
         try:
             return self.allocator.allocate(shape, dtype, timeout=0.0)
-        except AllocationError:
-            self.counters["alloc_failures"] += 1
+        except AllocationError:  # the tier being read counts it (read_alloc_failures)
             return None
 
     def contains_sync(self, key: str) -> bool:
@@ -66,7 +65,8 @@ class LocalCPUBackend(StorageBackend):
             self._index[key] = obj
             self._key_of[id(obj)] = key
         obj.set_evictor(self._on_evict)
-        self.counters["stores"] += 1
+        metrics.inc("stored_chunks", tier=self.name)
+        metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         return True
 
     def remove_sync(self, key: str) -> bool:
@@ -94,7 +94,7 @@ class LocalCPUBackend(StorageBackend):
             if key is None or self._index.get(key) is not obj:
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
-        self.counters["evictions"] += 1
+        metrics.inc("evictions", tier=self.name)
         obj.ref_down()
 
     # ---- StorageBackend ----------------------------------------------------------------------
@@ -116,9 +116,6 @@ class LocalCPUBackend(StorageBackend):
     async def close(self) -> None:
         self.clear_sync()
 
-    def stats(self) -> dict:
-        out = dict(self.counters)
-        out["entries"] = len(self._index)
-        out["used_bytes"] = self.allocator.used_bytes
-        out["capacity_bytes"] = self.allocator.capacity
-        return out
+    def gauges(self) -> dict[str, float]:
+        return {"resident_chunks": len(self._index), "used_bytes": self.allocator.used_bytes,
+                "capacity_bytes": self.allocator.capacity}

@@ -36,6 +36,7 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
@@ -68,7 +69,6 @@ class LocalDiskBackend(StorageBackend):
     def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
                  fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
                  direct_io: bool = True):
-        super().__init__()
         # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
         # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
         # time the file system refuses it (tmpfs does).
@@ -113,7 +113,7 @@ class LocalDiskBackend(StorageBackend):
         for _, key, name, size in found:
             self._index[key] = (name, size)
             self._used += size
-        self.counters["reindexed"] += len(found)
+        metrics.inc("reindexed_chunks", len(found), tier=self.name)
         self._evict_to(self.max_bytes)
 
     def _scan_file(self, entry: os.DirEntry):
@@ -168,7 +168,7 @@ class LocalDiskBackend(StorageBackend):
             if key not in self._index:
                 self._index[key] = (name, item[3])
                 self._used += item[3]
-                self.counters["adopted"] += 1
+                metrics.inc("adopted_chunks", tier=self.name)
             entry = self._index[key]
         self._evict_to(self.max_bytes)
         return entry
@@ -183,7 +183,7 @@ class LocalDiskBackend(StorageBackend):
             logger.warning("cannot remove %s: %s", name, exc)
 
     def _drop_corrupt(self, name: str) -> None:
-        self.counters["corrupt"] += 1
+        metrics.inc("corrupt_chunks", tier=self.name)
         self._unlink(name)
 
     def _evict_to(self, limit: int) -> bool:
@@ -195,7 +195,7 @@ class LocalDiskBackend(StorageBackend):
                 key, (name, size) = self._index.popitem(last=False)
                 self._used -= size
             self._unlink(name)
-            self.counters["evictions"] += 1
+            metrics.inc("evictions", tier=self.name)
         return True
 
     def _forget(self, key: str) -> Optional[str]:
@@ -236,8 +236,7 @@ class LocalDiskBackend(StorageBackend):
         if item is None:
             item = self._adopt(key)
         if item is None:
-            self.counters["misses"] += 1
-            return None
+            return None  # the manager counts misses
         cfut: Future = self._read_pool.submit(self._read_file, item[0], key, alloc)
         with self._lock:
             self._reads_in_flight += 1
@@ -257,13 +256,13 @@ class LocalDiskBackend(StorageBackend):
             return None
         except FileNotFoundError:
             self._forget(key)
-            self.counters["misses"] += 1
             return None
         except OSError as exc:
             logger.warning("disk read of %s failed: %s", item[0], exc)
-            self.counters["errors"] += 1
+            metrics.inc("failed_reads", tier=self.name)
             return None
-        self.counters["hits" if obj is not None else "alloc_failures"] += 1
+        if obj is None:
+            metrics.inc("read_alloc_failures", tier=self.name)
         return obj
 
     async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
@@ -301,13 +300,13 @@ class LocalDiskBackend(StorageBackend):
             if key in self._index or key in self._writing:
                 return True
             if size > self.max_bytes:
-                self.counters["stores_dropped"] += 1
+                metrics.inc("failed_writes", tier=self.name)
                 return False
             self._writing.add(key)
             self._used += size  # reserved now so that concurrent writes respect the cap
         try:
             if not self._evict_to(self.max_bytes):
-                self.counters["stores_dropped"] += 1
+                metrics.inc("failed_writes", tier=self.name)
                 with self._lock:
                     self._used -= size
                 return False
@@ -323,7 +322,11 @@ class LocalDiskBackend(StorageBackend):
                     self._index[key] = (name, size)
                 else:
                     self._used -= size
-            self.counters["stores" if ok else "stores_dropped"] += 1
+            if ok:
+                metrics.inc("stored_chunks", tier=self.name)
+                metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
+            else:
+                metrics.inc("failed_writes", tier=self.name)
             return ok
         finally:
             with self._lock:
@@ -357,11 +360,8 @@ class LocalDiskBackend(StorageBackend):
             os.rename(tmp, os.path.join(self.path, name))
             return True
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                self.counters["disk_full"] += 1
-            else:
+            if exc.errno != errno.ENOSPC:  # a full disk is expected: counted (failed_writes), not logged
                 logger.warning("writing chunk file %s failed: %s", name, exc)
-                self.counters["errors"] += 1
             try:
                 os.unlink(tmp)
             except OSError:
@@ -392,12 +392,9 @@ class LocalDiskBackend(StorageBackend):
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
 
-    def stats(self) -> dict:
-        out = dict(self.counters)
-        out["entries"] = len(self._index)
-        out["used_bytes"] = self._used
-        out["capacity_bytes"] = self.max_bytes
-        return out
+    def gauges(self) -> dict[str, float]:
+        return {"resident_chunks": len(self._index), "used_bytes": self._used,
+                "capacity_bytes": self.max_bytes}
 
 
 def _release_result(cfut: Future) -> None:

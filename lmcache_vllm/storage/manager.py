@@ -32,11 +32,12 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from collections import Counter
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
@@ -68,7 +69,6 @@ class StorageManager:
         self.allocator = allocator if allocator is not None else build_allocator(config)
         self.l1 = LocalCPUBackend(self.allocator, keep_entries=config.local_cpu)
         self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
-        self._counters: Counter = Counter()
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
@@ -81,6 +81,7 @@ class StorageManager:
         if self.lower:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
+        self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
     def _run_loop(self) -> None:
@@ -93,22 +94,22 @@ class StorageManager:
     def _start_writer(self) -> None:
         self._writers.append(self._loop.create_task(self._writer()))
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
+    async def _put_timed(self, tier: StorageBackend, key: str, obj: MemoryObj) -> bool:
+        t0 = time.perf_counter()
+        ok = await tier.put(key, obj)
+        metrics.observe("tier_write_seconds", time.perf_counter() - t0, tier=tier.name)
+        return ok
 
     async def _writer(self) -> None:
         while True:
             key, obj = await self._queue.get()
             try:
-                results = await asyncio.gather(*(tier.put(key, obj) for tier in self.lower),
+                results = await asyncio.gather(*(self._put_timed(tier, key, obj) for tier in self.lower),
                                                return_exceptions=True)
                 for tier, result in zip(self.lower, results):
-                    if isinstance(result, BaseException):
+                    if isinstance(result, BaseException):  # a refused write (False) the tier counted
                         logger.warning("%s put failed: %r", tier.name, result)
-                        self._count("errors")
-                    elif not result:
-                        self._count(f"{tier.name}_stores_dropped")
+                        metrics.inc("failed_writes", tier=tier.name)
             finally:
                 obj.ref_down()
                 with self._lock:
@@ -126,7 +127,7 @@ class StorageManager:
                 found = await tier.contains([keys[i] for i in unknown])
             except Exception as exc:
                 logger.warning("%s contains failed: %r", tier.name, exc)
-                self._count("errors")
+                metrics.inc("failed_reads", tier=tier.name)
                 continue
             unknown_next = []
             for i, hit in zip(unknown, found):
@@ -151,14 +152,17 @@ class StorageManager:
         alloc = self.l1.try_allocate
 
         async def read(tier: StorageBackend, idx: list[int]):
+            t0 = time.perf_counter()
             try:
                 return await tier.get_many([keys[i] for i in idx], alloc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 logger.warning("%s get failed: %r", tier.name, exc)
-                self._count("errors")
+                metrics.inc("failed_reads", tier=tier.name)
                 return [None] * len(idx)
+            finally:
+                metrics.observe("tier_read_seconds", time.perf_counter() - t0, tier=tier.name)
 
         tiers = list(by_tier)
         results = await gather_owned(read(self.lower[t], by_tier[t]) for t in tiers)
@@ -170,13 +174,13 @@ class StorageManager:
         release_objs(objs[keep:])
         for i in range(keep):
             tier = where[i]
-            self._count(f"{tier.name}_hits")
+            metrics.inc("chunk_hits", tier=tier.name)
+            metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
             self.l1.put_sync(keys[i], objs[i])
         for tier in self.lower:  # keys each tier was asked about and could not serve
             asked = sum(1 for i in range(len(keys)) if where[i] is None or
                         self.lower.index(where[i]) > self.lower.index(tier))
-            if asked:
-                self._count(f"{tier.name}_misses", asked)
+            metrics.inc("chunk_misses", asked, tier=tier.name)
         return objs[:keep]
 
     async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
@@ -187,7 +191,7 @@ class StorageManager:
             raise
         except Exception:
             logger.exception("storage read failed")
-            self._count("errors")
+            metrics.inc("storage_errors", op="get")
             objs = []
         handoff.deliver(objs)
 
@@ -218,7 +222,7 @@ class StorageManager:
             if self._closed:
                 return
             if self._pending >= self._queue_depth:
-                self._counters["stores_dropped"] += 1
+                metrics.inc("dropped_stores", reason="queue_full")
                 return
             self._pending += 1
             obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
@@ -237,11 +241,11 @@ class StorageManager:
             where = fut.result(self.lookup_timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            self._count("lookup_timeouts")
+            metrics.inc("storage_timeouts", op="lookup")
             return found
         except Exception:
             logger.exception("storage lookup failed")
-            self._count("errors")
+            metrics.inc("storage_errors", op="lookup")
             return found
         for i, tier in zip(missing, where):
             found[i] = tier is not None
@@ -257,10 +261,10 @@ class StorageManager:
             return n + fut.result(self.lookup_timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            self._count("lookup_timeouts")
+            metrics.inc("storage_timeouts", op="lookup")
         except Exception:
             logger.exception("storage lookup failed")
-            self._count("errors")
+            metrics.inc("storage_errors", op="lookup")
         return n
 
     def get(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
@@ -274,10 +278,11 @@ class StorageManager:
             if obj is None:
                 break
             out.append(obj)
-        self._count("local_cpu_hits", len(out))
+        metrics.inc("chunk_hits", len(out), tier=self.l1.name)
+        metrics.inc("read_bytes", sum(obj.nbytes for obj in out), tier=self.l1.name)
         if len(out) == len(ks):
             return out
-        self._count("local_cpu_misses", len(ks) - len(out))
+        metrics.inc("chunk_misses", len(ks) - len(out), tier=self.l1.name)
         if not self.lower or self._closed:
             return out
         handoff = Handoff()
@@ -285,7 +290,7 @@ class StorageManager:
         lower = handoff.take(self.get_timeout)
         if lower is None:
             fut.cancel()
-            self._count("get_timeouts")
+            metrics.inc("storage_timeouts", op="get")
             return out
         return out + lower
 
@@ -310,7 +315,7 @@ class StorageManager:
         self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not self.lower:
             return PrefetchHandle(None, n, release)
-        self._count("prefetches")
+        metrics.inc("prefetches")
         fut = asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner), self._loop)
         return PrefetchHandle(fut, n, release)
 
@@ -327,18 +332,13 @@ class StorageManager:
             logger.warning("clearing lower tiers did not finish", exc_info=True)
             fut.cancel()
 
-    def stats(self) -> dict:
-        with self._lock:
-            out = dict(self._counters)
-            out["write_queue_pending"] = self._pending
-        out["prefetch_held"] = self._holds.num_held()
+    def _gauges(self):
+        """This manager's gauges for `metrics` (read when stats are taken)."""
+        yield "write_queue_pending", {}, self._pending
+        yield "prefetch_held_chunks", {}, self._holds.num_held()
         for tier in [self.l1, *self.lower]:
-            for name, value in tier.stats().items():
-                out[f"{tier.name}.{name}"] = value
-        out["corrupt_entries"] = sum(t.counters.get("corrupt", 0) for t in self.lower)
-        out["errors"] = out.get("errors", 0) + sum(t.counters.get("errors", 0) for t in self.lower)
-        out.setdefault("stores_dropped", 0)
-        return out
+            for name, value in tier.gauges().items():
+                yield name, {"tier": tier.name}, value
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until queued write-throughs are done (tests, benchmarks, shutdown); False on timeout."""
@@ -357,6 +357,7 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
+        self._unregister_gauges()
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(
                 self.close_drain_secs + 10.0)
@@ -382,7 +383,7 @@ class StorageManager:
         while not self._queue.empty():
             _, obj = self._queue.get_nowait()
             obj.ref_down()
-            self._count("stores_dropped")
+            metrics.inc("dropped_stores", reason="shutdown")
         # Whatever else is still running on the loop (prefetches, abandoned reads) is cancelled.
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in others:

@@ -26,6 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
@@ -52,7 +53,6 @@ class RedisBackend(StorageBackend):
     def __init__(self, url: str, *, prefix: str = "lmcache_vllm:", ttl_secs: Optional[float] = None,
                  timeout_secs: float = 2.0, max_connections: int = 16, read_groups: int = 1,
                  read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0):
-        super().__init__()
         self.url = url
         self.prefix = prefix
         self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
@@ -85,7 +85,7 @@ class RedisBackend(StorageBackend):
         if time.monotonic() >= self._retry_at and not self._probing:
             self._probing = True
             return True
-        self.counters["breaker_skips"] += 1
+        metrics.inc("breaker_skipped_calls", tier=self.name)
         return False
 
     def _succeeded(self) -> None:
@@ -94,7 +94,6 @@ class RedisBackend(StorageBackend):
         self._retry_at, self._failures, self._probing = None, 0, False
 
     def _failed(self, exc: BaseException) -> None:
-        self.counters["errors"] += 1
         delay = min(self.breaker_max, self.breaker_base * (2 ** self._failures))
         if self._failures == 0:
             logger.warning("redis call failed (%s: %s); treating redis as down for %.1fs",
@@ -103,13 +102,18 @@ class RedisBackend(StorageBackend):
         self._retry_at = time.monotonic() + delay
         self._probing = False
 
-    async def _call(self, make_coro, default=None):
-        """Runs `make_coro()` under the timeout and the breaker; returns `default` on any failure."""
+    async def _call(self, make_coro, default=None, *, read: bool = False):
+        """Runs `make_coro()` under the timeout and the breaker; returns `default` on any failure.
+        A failed or skipped read counts in `failed_reads` (a refused write is counted by `put`)."""
         if not self._may_call():
+            if read:
+                metrics.inc("failed_reads", tier=self.name)
             return default
         try:
             result = await asyncio.wait_for(make_coro(), self.timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            if read:
+                metrics.inc("failed_reads", tier=self.name)
             self._failed(exc)
             try:
                 await self._client.connection_pool.disconnect()
@@ -133,7 +137,7 @@ class RedisBackend(StorageBackend):
                     pipe.exists(self._rkey(key))
                 return await pipe.execute()
 
-        found = await self._call(run)
+        found = await self._call(run, read=True)
         if found is None:
             return [False] * len(keys)
         return [bool(n) for n in found]
@@ -151,16 +155,18 @@ class RedisBackend(StorageBackend):
         decoded = await self._call(
             lambda: gather_owned((self._read_group(keys[lo:hi], alloc) for lo, hi in spans),
                                  release=_release_decoded),
-            default=_DEFAULT)
+            default=_DEFAULT, read=True)
         if decoded is _DEFAULT:  # failed or breaker open: everything is a miss
             return [None] * len(keys)
         out: list[Optional[MemoryObj]] = []
         corrupt: list[str] = []
         for (lo, _), group in zip(spans, decoded):
             for i, (obj, outcome) in enumerate(group, start=lo):
-                self.counters[outcome] += 1
                 if outcome == "corrupt":
+                    metrics.inc("corrupt_chunks", tier=self.name)
                     corrupt.append(keys[i])
+                elif outcome == "alloc_failures":
+                    metrics.inc("read_alloc_failures", tier=self.name)
                 out.append(obj)
         for key in corrupt:
             await self._call(lambda: self._client.delete(self._rkey(key)))
@@ -221,7 +227,11 @@ class RedisBackend(StorageBackend):
         value = memoryview(codec.encode(key, obj.tensor))
         ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
                               default=False)
-        self.counters["stores" if ok else "stores_dropped"] += 1
+        if ok:
+            metrics.inc("stored_chunks", tier=self.name)
+            metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
+        else:
+            metrics.inc("failed_writes", tier=self.name)
         return bool(ok)
 
     async def put_bytes(self, key: str, value: bytes) -> bool:
@@ -254,7 +264,5 @@ class RedisBackend(StorageBackend):
             logger.debug("redis close", exc_info=True)
         self._decode_pool.shutdown(wait=True)
 
-    def stats(self) -> dict:
-        out = dict(self.counters)
-        out["breaker_open"] = int(self.breaker_open)
-        return out
+    def gauges(self) -> dict[str, float]:
+        return {"breaker_open": int(self.breaker_open)}

@@ -100,17 +100,17 @@ def test_producer_stores_every_chunk_and_never_loads(producer):
     # 256 + 256 + the partial 188 (save_unfull_chunk: the consumer then only computes the last token)
     assert len(producer["keys_after"]) == 3
     stats = producer["stats"]
-    assert stats["worker"]["stored_tokens"] == len(PROMPT)
-    assert stats["scheduler"]["lookups"] == 0
+    assert stats["stored_tokens"] == len(PROMPT)
+    assert stats.get("lookups", 0) == 0
     assert h.phase(producer, "again")[0]["num_cached_tokens"] == 0
-    assert stats["worker"]["loaded_tokens"] == 0
+    assert stats.get("loaded_tokens", 0) == 0
 
 
 def test_consumer_loads_the_prefill_and_decodes_like_the_reference(consumer, reference):
     decode = h.phase(consumer, "decode")[0]
     assert decode["num_cached_tokens"] == len(PROMPT) - 1  # vLLM needs the last token's logits
     assert decode["tokens"] == reference["prompt"]  # the same split: see the module docstring
-    assert consumer["stats"]["worker"]["loaded_tokens"] == len(PROMPT) - 1
+    assert consumer["stats"]["loaded_tokens"] == len(PROMPT) - 1
     unseen = h.phase(consumer, "unseen")[0]
     assert unseen["num_cached_tokens"] == 0
     assert unseen["tokens"] == reference["unseen"]
@@ -118,5 +118,4 @@ def test_consumer_loads_the_prefill_and_decodes_like_the_reference(consumer, ref
 
 def test_consumer_stores_nothing(producer, consumer):
     assert consumer["keys_after"] == producer["keys_after"]
-    assert consumer["stats"]["worker"]["stored_tokens"] == 0
-    assert consumer["stats"]["scheduler"]["saved_tokens"] == 0
+    assert consumer["stats"].get("stored_tokens", 0) == 0

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from lmcache_vllm import metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
@@ -119,6 +120,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if world_size > 1 else 0
+            metrics.set_primary(rank == 0)  # per-engine counts (tokens) come from rank 0 only
             config = self.config
             self._worker = WorkerHalf(
                 engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,

@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 import zmq
 
+from lmcache_vllm import metrics
+
 logger = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
@@ -152,9 +154,7 @@ class LookupClient:
         self._addresses = list(addresses)
         self._seq = 0
         self._lock = threading.Lock()
-        self.timeouts = 0
         self.direct = direct  # False: always the sockets (tests of the wire path)
-        self.direct_lookups = 0
 
     def _local(self) -> list[LookupServer] | None:
         if not self.direct:
@@ -166,7 +166,7 @@ class LookupClient:
     def lookup(self, token_ids: Sequence[int]) -> int:
         servers = self._local()
         if servers is not None:
-            self.direct_lookups += 1
+            metrics.inc("lookups_in_process")
             tokens = np.asarray(token_ids, dtype=np.int64)
             return max(0, min(server.lookup(tokens) for server in servers))
         with self._lock:
@@ -187,7 +187,7 @@ class LookupClient:
         while len(answers) < len(self._sockets):
             left = deadline_ms - (time.monotonic() - start) * 1000
             if left <= 0:
-                self.timeouts += 1
+                metrics.inc("lookup_timeouts")
                 logger.warning("lookup timed out after %d ms (%d/%d ranks answered); counting 0 hits",
                                self.timeout_ms, len(answers), len(self._sockets))
                 return 0

@@ -9,7 +9,9 @@ process. The job file:
 
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
-phase its wall time and process CPU time, and (when the connector runs in this process) the connector's counters.
+phase its wall time and process CPU time, and under `stats` this process's metrics (`metrics.flat`:
+`{"loaded_tokens": ..., "chunk_hits.redis": ..., "load_seconds.sum": ...}`; the scheduler and a single
+worker share this process, the workers of a TP>1 engine do not).
 """
 from __future__ import annotations
 
@@ -19,48 +21,26 @@ import time
 from typing import Any
 
 
-def _connector_stats(llm) -> dict[str, Any]:
-    """Counters of the worker and scheduler halves, when they live in this process."""
-    stats: dict[str, Any] = {}
+def _connector_stats() -> dict[str, Any]:
+    """This process's metrics, after the background saves handed out so far have finished."""
+    from lmcache_vllm import metrics
+
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if has_kv_transfer_group():
             worker = getattr(get_kv_transfer_group(), "_worker", None)
             if worker is not None:
-                stats["worker"] = worker.stats.as_dict()
-                if worker.engine is not None:
-                    stats["engine"] = worker.engine.stats.as_dict()
-                    stats["storage"] = _plain(worker.engine.storage.stats())
+                worker.drain_saves()
     except Exception as exc:  # stats are best effort: the job's results matter more
-        stats["worker_error"] = repr(exc)
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        connector = core.scheduler.connector
-        half = getattr(connector, "_scheduler", None)
-        if half is not None:
-            client = half.lookup_client
-            stats["scheduler"] = dict(half.stats, direct_lookups=getattr(client, "direct_lookups", 0),
-                                      lookup_timeouts=getattr(client, "timeouts", 0))
-    except Exception:
-        pass
-    return stats
+        return {"error": repr(exc), **metrics.flat(metrics.snapshot())}
+    return metrics.flat(metrics.snapshot())
 
 
 def _first_token_latency(output) -> float | None:
     """vLLM's own time-to-first-token of a request (needs `disable_log_stats=False`), else None."""
     latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
     return float(latency) if latency else None
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return repr(value)
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +70,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
                          "ttft_s": _first_token_latency(o)} for o in outputs],
         })
-    result = {"startup_s": startup_s, "phases": phases, "stats": _connector_stats(llm)}
+    result = {"startup_s": startup_s, "phases": phases, "stats": _connector_stats()}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
     # process started after this one finds everything this one stored.
     t0 = time.perf_counter()

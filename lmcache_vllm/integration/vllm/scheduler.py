@@ -18,12 +18,12 @@ Rules:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from lmcache_vllm import metrics
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -103,8 +103,6 @@ class SchedulerHalf:
         self.save_decode_cache = save_decode_cache
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
-        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "load_requests": 0, "loaded_tokens": 0,
-                      "saved_tokens": 0, "lookup_s": 0.0}
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -113,15 +111,13 @@ class SchedulerHalf:
         num_tokens = request.num_tokens
         if num_tokens < self.chunk_size and not self.save_unfull_chunk:
             return 0, False  # nothing this short is ever stored
-        t0 = time.perf_counter()
-        hit = min(self.lookup_client.lookup(self._tracker(request).token_array()), num_tokens)
-        self.stats["lookup_s"] += time.perf_counter() - t0
-        self.stats["lookups"] += 1
+        with metrics.timed("lookup_seconds"):
+            hit = min(self.lookup_client.lookup(self._tracker(request).token_array()), num_tokens)
+        metrics.inc("lookups")
         self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
         usable = hit - 1 if hit == num_tokens else hit
         if usable <= num_computed_tokens:
             return 0, False
-        self.stats["lookup_hit_tokens"] += usable - num_computed_tokens
         return usable - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -138,6 +134,7 @@ class SchedulerHalf:
         load_end = lookup.num_computed_tokens + num_external_tokens
         fetch_len = min(lookup.hit_tokens, ceil_to(load_end, self.chunk_size))
         tracker.pending_load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
+        metrics.inc("hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids))
@@ -199,8 +196,7 @@ class SchedulerHalf:
             skip_leading=load.skip_leading, load_end=load.load_end))
         # Whole chunks we just loaded are stored already: no need to save them again.
         tracker.saved_end = max(tracker.saved_end, floor_to(load.load_end, self.chunk_size))
-        self.stats["load_requests"] += 1
-        self.stats["loaded_tokens"] += load.load_end - load.skip_leading
+        metrics.inc("load_requests")
 
     def _emit_save(self, tracker: RequestTracker, computed_before: int, kv_end: int,
                    meta: LMCacheConnectorMetadata) -> None:
@@ -226,5 +222,4 @@ class SchedulerHalf:
         meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end),
                                    block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
                                    is_last=is_last))
-        self.stats["saved_tokens"] += end - start
         tracker.saved_end = end

@@ -29,6 +29,7 @@ from typing import Callable, Generator
 import numpy as np
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupServer
 from lmcache_vllm.integration.vllm.metadata import (
     LMCacheConnectorMetadata,
@@ -39,21 +40,6 @@ from lmcache_vllm.integration.vllm.metadata import (
 from lmcache_vllm.threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerStats:
-    loaded_tokens: int = 0
-    failed_load_tokens: int = 0
-    stored_tokens: int = 0
-    failed_saves: int = 0
-    skipped_saves_after_failed_load: int = 0
-    load_s: float = 0.0  # time the step spent loading (start_load_kv and layerwise loads)
-    save_s: float = 0.0  # time spent storing, on the step or on the background save thread
-    save_wait_s: float = 0.0  # time the step waited for background saves to finish
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -85,17 +71,10 @@ class WorkerHalf:
         self.layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._step = _StepState()
-        self._stats = WorkerStats()
         self.async_save = async_save and not use_layerwise
         self._saver: ThreadPoolExecutor | None = None
         self._pending_saves: list[tuple[Future, list[SaveSpec]]] = []
         self._pending_lock = threading.Lock()
-
-    @property
-    def stats(self) -> WorkerStats:
-        # Counters include every save handed to the background thread so far.
-        self.drain_saves()
-        return self._stats
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -143,7 +122,7 @@ class WorkerHalf:
         t0 = time.perf_counter()
         for future in pending:
             future.result()
-        self._stats.save_wait_s += time.perf_counter() - t0
+        metrics.inc("save_wait_seconds", time.perf_counter() - t0)
         with self._pending_lock:
             self._pending_saves = [(f, specs) for f, specs in self._pending_saves if not f.done()]
 
@@ -167,10 +146,9 @@ class WorkerHalf:
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
-        t0 = time.perf_counter()
         for spec in meta.loads:
-            self._start_load(spec)
-        self._stats.load_s += time.perf_counter() - t0
+            with metrics.timed("load_seconds"):
+                self._start_load(spec)
 
     def _start_load(self, spec: LoadSpec) -> None:
         num = len(spec.token_ids)
@@ -190,13 +168,12 @@ class WorkerHalf:
             loaded = torch.zeros(num, dtype=torch.bool)
         missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
         num_missing = int(missing.sum())
-        self._stats.loaded_tokens += int(wanted.sum()) - num_missing
         if num_missing:
             positions = torch.nonzero(missing).flatten().tolist()
             bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
             self._load_errors.update(bad_blocks)
             self._step.failed_loads.add(spec.req_id)
-            self._stats.failed_load_tokens += num_missing
+            metrics.inc("failed_load_tokens", num_missing)
             logger.warning("request %s: %d of %d tokens could not be loaded; %d blocks reported for "
                            "recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
 
@@ -234,7 +211,7 @@ class WorkerHalf:
                 self._step.storers.remove(storer)
             except Exception:
                 logger.exception("layerwise store failed at layer %d", layer)
-                self._stats.failed_saves += 1
+                metrics.inc("failed_stores")
                 self._step.storers.remove(storer)
 
     def _start_layerwise_store(self, spec: SaveSpec):
@@ -243,7 +220,7 @@ class WorkerHalf:
             return self.engine.store_layer(tokens, self.kv_caches, slots, mask)
         except Exception:
             logger.exception("request %s: store failed", spec.req_id)
-            self._stats.failed_saves += 1
+            metrics.inc("failed_stores")
             return None
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
@@ -268,32 +245,31 @@ class WorkerHalf:
             self._pending_saves.append((future, saves))
 
     def _store_all(self, saves: list[SaveSpec]) -> None:
-        t0 = time.perf_counter()
         for spec in saves:
             try:
-                tokens, slots, mask = self._save_args(spec)
-                self._stats.stored_tokens += int(self.engine.store(tokens, self.kv_caches, slots, mask))
+                with metrics.timed("store_seconds"):
+                    tokens, slots, mask = self._save_args(spec)
+                    self.engine.store(tokens, self.kv_caches, slots, mask)
             except Exception:
                 logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
-                self._stats.failed_saves += 1
-        self._stats.save_s += time.perf_counter() - t0
+                metrics.inc("failed_stores")
 
     def _finish_store(self, storer: Generator) -> None:
         try:
             while True:
                 next(storer)
-        except StopIteration as stop:
-            self._stats.stored_tokens += int(stop.value or 0)
+        except StopIteration:
+            pass
         except Exception:
             logger.exception("layerwise store failed while committing")
-            self._stats.failed_saves += 1
+            metrics.inc("failed_stores")
 
     def _saves(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
         saves = []
         for spec in meta.saves:
             if spec.req_id in self._step.failed_loads:
                 # Its KV past the hole was computed against missing context: not worth keeping.
-                self._stats.skipped_saves_after_failed_load += 1
+                metrics.inc("stores_skipped_after_failed_load")
                 continue
             saves.append(spec)
         return saves

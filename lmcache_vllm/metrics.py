@@ -1,0 +1,380 @@
+"""The one metrics model of lmcache-vllm: the table of every metric (`METRICS`) and the process recorder.
+
+- `METRICS` names each counter, gauge and histogram once, with its unit, help text and labels (`tier`:
+  local_cpu / local_disk / redis). Prometheus exposes them as `lmcache_vllm:<name>` (counters with
+  `_total`); the README's metric table is generated from it.
+- Code anywhere in the process records with `inc(name, n, **labels)`, `observe(name, seconds, **labels)`
+  or `timed(name)`; gauges are read when asked for, from functions given to `register_gauges` (a tier
+  reports its bytes used, a breaker its state) so nothing has to keep them up to date.
+- `snapshot()` gives the process's totals as a plain dict; `flat(snapshot)` / `value(name, **labels)`
+  read it by name. `take()` gives what changed since the previous `take()` (vLLM asks every step) as a
+  plain dict that crosses processes; `merge` combines such dicts across TP ranks and steps.
+- Scope across tensor-parallel ranks: a `rank` metric is counted by every rank and summed (bytes, errors);
+  an `engine` metric is counted once per engine, by the scheduler or by TP rank 0 (`set_primary`), so
+  tokens are not counted once per rank. A gauge is reported per process (`source`) and combined
+  across processes by its `gauge_agg`: the latest value of each source, then sum / max / min.
+
+No vLLM, torch or prometheus import here: the model is plain Python and cheap (one lock, a dict update).
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import socket
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+PREFIX = "lmcache_vllm:"
+TIERS = ("local_cpu", "local_disk", "redis")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MAX_PENDING_OBSERVATIONS = 4096  # per series between two take()s; more are counted in totals only
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    scope: str = "rank"  # "rank": every TP rank counts, summed; "engine": the scheduler or TP rank 0
+    gauge_agg: str = "sum"  # gauges: sum | max | min over processes
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+
+
+def _c(name, unit, help, labels=(), scope="rank"):
+    return MetricDef(name, "counter", unit, help, tuple(labels), scope)
+
+
+def _g(name, unit, help, labels=(), agg="sum"):
+    return MetricDef(name, "gauge", unit, help, tuple(labels), gauge_agg=agg)
+
+
+def _h(name, help, labels=(), scope="rank"):
+    return MetricDef(name, "histogram", "seconds", help, tuple(labels), scope)
+
+
+_T = ("tier",)
+METRIC_LIST: tuple[MetricDef, ...] = (
+    # -- scheduler: one per engine
+    _c("lookups", "requests", "Prefix lookups the scheduler asked the workers for (a request waiting for "
+       "free blocks is looked up again at each try)", scope="engine"),
+    _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
+       "server lives in the scheduler's process", scope="engine"),
+    _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
+    _h("lookup_seconds", "Time of one scheduler lookup over every rank", scope="engine"),
+    _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache "
+       "(counted once per scheduled load)", scope="engine"),
+    _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
+    # -- worker / engine
+    _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "
+       "rank 0)", scope="engine"),
+    _c("failed_load_tokens", "tokens", "Tokens planned to load that could not be; vLLM recomputes them "
+       "(summed over TP ranks)"),
+    _c("stored_tokens", "tokens", "Tokens whose KV was newly stored (counted on TP rank 0)",
+       scope="engine"),
+    _c("store_skipped_tokens", "tokens", "Tokens handed to a store whose chunks were stored already",
+       scope="engine"),
+    _c("failed_stores", "requests", "Stores of a request that failed with an error; its chunks stay "
+       "uncached"),
+    _c("stores_skipped_after_failed_load", "requests", "Saves skipped because the request's load failed "
+       "in the same step (KV computed past a hole is not kept)"),
+    _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
+       "treated as misses"),
+    _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _h("store_seconds", "Time to store one request's new KV (on the save thread unless saves are "
+       "synchronous)"),
+    _c("save_wait_seconds", "seconds", "Time vLLM's step waited for background saves to finish"),
+    # -- storage tiers
+    _c("chunk_hits", "chunks", "Chunks served by a tier (L1 from memory; L2/L3 read and promoted into "
+       "L1)", _T),
+    _c("chunk_misses", "chunks", "Chunks a tier was asked for and did not hold", _T),
+    _c("read_bytes", "bytes", "Bytes of chunks served by a tier", _T),
+    _c("stored_chunks", "chunks", "Chunks written to a tier", _T),
+    _c("stored_bytes", "bytes", "Bytes of chunks written to a tier", _T),
+    _c("dropped_stores", "chunks", "Chunks not stored below L1 or at all: arena_full (no L1 memory for a "
+       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
+    _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
+       "the tier, Redis down or its breaker open)", _T),
+    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis "
+       "down or its breaker open); answered as misses", _T),
+    _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
+       "were deleted", _T),
+    _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
+    _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
+    _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "
+       "breaker was open", _T),
+    _c("storage_timeouts", "requests", "Storage calls (op lookup or get) that passed their timeout and "
+       "answered a miss", ("op",)),
+    _c("storage_errors", "requests", "Storage calls (op lookup or get) that failed with an unexpected "
+       "error and answered a miss", ("op",)),
+    _c("prefetches", "requests", "Background reads started from the lower tiers into L1"),
+    _c("adopted_chunks", "chunks", "Chunk files another process wrote into a shared directory, found on "
+       "a miss and indexed", _T),
+    _c("reindexed_chunks", "chunks", "Chunk files found and indexed at start-up", _T),
+    _h("tier_read_seconds", "Time of one batched read from a lower tier", _T),
+    _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
+    # -- gauges, read when asked for
+    _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
+    _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
+    _g("resident_chunks", "chunks", "Chunks a tier holds now", _T),
+    _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
+       "once), else 0", _T, agg="max"),
+    _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),
+    _g("prefetch_held_chunks", "chunks", "Chunks held in L1 by prefetches until their request loads "
+       "them"),
+)
+METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}
+
+GaugeFn = Callable[[], Iterable[tuple[str, dict, float]]]  # yields (metric name, labels, value)
+
+
+def _label_key(d: MetricDef, labels: dict) -> str:
+    if len(labels) != len(d.labels):
+        raise ValueError(f"metric {d.name!r} takes labels {d.labels}, got {tuple(labels)}")
+    return ",".join(str(labels[name]) for name in d.labels)
+
+
+def _definition(name: str, kind: str) -> MetricDef:
+    d = METRICS.get(name)
+    if d is None:
+        raise KeyError(f"unknown metric {name!r}: declare it in lmcache_vllm/metrics.py")
+    if d.kind != kind:
+        raise TypeError(f"metric {name!r} is a {d.kind}, not a {kind}")
+    return d
+
+
+def combine_gauge(d: MetricDef, values: Iterable[float]) -> float:
+    values = list(values)
+    if not values:
+        return 0.0
+    return {"sum": sum, "max": max, "min": min}[d.gauge_agg](values)
+
+
+class Recorder:
+    """Counts of one process (thread-safe). Use the module functions, which record into `RECORDER`."""
+
+    def __init__(self, source: str | None = None):
+        self.source = source or f"{socket.gethostname()}:{os.getpid()}"
+        self.primary = True  # False on TP ranks other than 0: `engine` metrics are not counted there
+        self._lock = threading.Lock()
+        self._gauge_fns: list[Callable[[], GaugeFn | None]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every count (tests); gauge functions stay registered."""
+        with self._lock:
+            self._counters: dict[str, dict[str, float]] = {}
+            self._hists: dict[str, dict[str, list]] = {}  # lk -> [count, sum, bucket counts]
+            self._pending_counters: dict[str, dict[str, float]] = {}
+            self._pending_obs: dict[str, dict[str, list[float]]] = {}
+            self._sent_gauges: dict[str, dict[str, float]] = {}
+            self._tracking = False  # deltas are kept once someone take()s them
+
+    # ---- recording ------------------------------------------------------------------------------
+    def inc(self, name: str, n: float = 1, **labels: Any) -> None:
+        d = _definition(name, "counter")
+        if not n or (d.scope == "engine" and not self.primary):
+            return
+        lk = _label_key(d, labels)
+        with self._lock:
+            series = self._counters.setdefault(name, {})
+            series[lk] = series.get(lk, 0) + n
+            if self._tracking:
+                pending = self._pending_counters.setdefault(name, {})
+                pending[lk] = pending.get(lk, 0) + n
+
+    def observe(self, name: str, value: float, **labels: Any) -> None:
+        d = _definition(name, "histogram")
+        if d.scope == "engine" and not self.primary:
+            return
+        lk = _label_key(d, labels)
+        with self._lock:
+            hist = self._hists.setdefault(name, {}).get(lk)
+            if hist is None:
+                hist = self._hists[name][lk] = [0, 0.0, [0] * (len(d.buckets) + 1)]
+            hist[0] += 1
+            hist[1] += value
+            hist[2][bisect.bisect_left(d.buckets, value)] += 1
+            if self._tracking:
+                pending = self._pending_obs.setdefault(name, {}).setdefault(lk, [])
+                if len(pending) < _MAX_PENDING_OBSERVATIONS:
+                    pending.append(value)
+
+    @contextmanager
+    def timed(self, name: str, **labels: Any) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(name, time.perf_counter() - t0, **labels)
+
+    def register_gauges(self, fn: GaugeFn) -> Callable[[], None]:
+        """Adds a function reporting gauges; returns the function that removes it. A bound method is
+        held weakly, so an object that is never closed does not live on because of it."""
+        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+        with self._lock:
+            self._gauge_fns.append(ref)
+
+        def unregister() -> None:
+            with self._lock:
+                if ref in self._gauge_fns:
+                    self._gauge_fns.remove(ref)
+        return unregister
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        """Current gauge values of this process (several reporters of one series combine by agg)."""
+        with self._lock:
+            refs = list(self._gauge_fns)
+        parts: dict[str, dict[str, list[float]]] = {}
+        for ref in refs:
+            fn = ref()
+            if fn is None:
+                with self._lock:
+                    if ref in self._gauge_fns:
+                        self._gauge_fns.remove(ref)
+                continue
+            try:
+                for name, labels, value in fn():
+                    d = _definition(name, "gauge")
+                    parts.setdefault(name, {}).setdefault(_label_key(d, labels), []).append(float(value))
+            except Exception:  # a gauge must never break the stats path
+                continue
+        return {name: {lk: combine_gauge(METRICS[name], vals) for lk, vals in series.items()}
+                for name, series in parts.items()}
+
+    def snapshot(self) -> dict:
+        """Totals since start (or `reset`) as a plain dict."""
+        gauges = self._gauges()
+        with self._lock:
+            counters = {n: dict(s) for n, s in self._counters.items()}
+            hists = {n: {lk: {"count": h[0], "sum": h[1], "buckets": list(h[2])} for lk, h in s.items()}
+                     for n, s in self._hists.items()}
+        return {"source": self.source, "counters": counters,
+                "gauges": {n: {lk: {self.source: v} for lk, v in s.items()} for n, s in gauges.items()},
+                "histograms": hists}
+
+    def take(self) -> dict:
+        """What changed since the previous `take()`: counter increments, observations, and gauges whose
+        value changed. The first call starts the tracking (and reports every gauge)."""
+        gauges = self._gauges()
+        with self._lock:
+            counters, self._pending_counters = self._pending_counters, {}
+            obs, self._pending_obs = self._pending_obs, {}
+            self._tracking = True
+            changed: dict[str, dict[str, dict[str, float]]] = {}
+            for name, series in gauges.items():
+                sent = self._sent_gauges.setdefault(name, {})
+                for lk, v in series.items():
+                    if sent.get(lk) != v:
+                        sent[lk] = v
+                        changed.setdefault(name, {})[lk] = {self.source: v}
+        return {"counters": counters, "gauges": changed, "observations": obs}
+
+
+RECORDER = Recorder()
+
+
+def inc(name: str, n: float = 1, **labels: Any) -> None:
+    RECORDER.inc(name, n, **labels)
+
+
+def observe(name: str, value: float, **labels: Any) -> None:
+    RECORDER.observe(name, value, **labels)
+
+
+def timed(name: str, **labels: Any):
+    return RECORDER.timed(name, **labels)
+
+
+def register_gauges(fn: GaugeFn) -> Callable[[], None]:
+    return RECORDER.register_gauges(fn)
+
+
+def set_primary(primary: bool) -> None:
+    """False on TP ranks other than 0 (their `engine` metrics are counted by rank 0)."""
+    RECORDER.primary = bool(primary)
+
+
+def snapshot() -> dict:
+    return RECORDER.snapshot()
+
+
+def take() -> dict:
+    return RECORDER.take()
+
+
+# ---- plain-dict helpers (deltas from take() and snapshots alike) -------------------------------------
+def is_empty(delta: dict) -> bool:
+    return not any(delta.get(part) for part in ("counters", "gauges", "observations", "histograms"))
+
+
+def merge(a: dict, b: dict) -> dict:
+    """`a` and `b` combined (neither is modified): counters and observations add up, histogram totals
+    add up, gauges keep each source's value (from `b` when both have it)."""
+    out: dict = {}
+    for n, s in (a.get("counters") or {}).items():
+        out.setdefault("counters", {})[n] = dict(s)
+    for n, s in (b.get("counters") or {}).items():
+        dst = out.setdefault("counters", {}).setdefault(n, {})
+        for lk, v in s.items():
+            dst[lk] = dst.get(lk, 0) + v
+    for part in ("gauges",):
+        for src in (a, b):
+            for n, s in (src.get(part) or {}).items():
+                dst = out.setdefault(part, {}).setdefault(n, {})
+                for lk, by_source in s.items():
+                    dst.setdefault(lk, {}).update(by_source)
+    for src in (a, b):
+        for n, s in (src.get("observations") or {}).items():
+            dst = out.setdefault("observations", {}).setdefault(n, {})
+            for lk, values in s.items():
+                dst[lk] = dst.get(lk, []) + list(values)
+        for n, s in (src.get("histograms") or {}).items():
+            dst = out.setdefault("histograms", {}).setdefault(n, {})
+            for lk, h in s.items():
+                have = dst.get(lk)
+                dst[lk] = dict(h, buckets=list(h["buckets"])) if have is None else {
+                    "count": have["count"] + h["count"], "sum": have["sum"] + h["sum"],
+                    "buckets": [x + y for x, y in zip(have["buckets"], h["buckets"])]}
+    return out
+
+
+def _series_name(name: str, lk: str) -> str:
+    return f"{name}.{lk}" if lk else name
+
+
+def flat(data: dict) -> dict[str, float]:
+    """A snapshot or delta as `{"name" or "name.label": value}`: counters, combined gauges, and for
+    histograms `name[.label].count` / `.sum` (tests, benchmarks, offline job output)."""
+    out: dict[str, float] = {}
+    for n, s in (data.get("counters") or {}).items():
+        for lk, v in s.items():
+            out[_series_name(n, lk)] = v
+    for n, s in (data.get("gauges") or {}).items():
+        for lk, by_source in s.items():
+            out[_series_name(n, lk)] = combine_gauge(METRICS[n], by_source.values())
+    for n, s in (data.get("histograms") or {}).items():
+        for lk, h in s.items():
+            out[_series_name(n, lk) + ".count"] = h["count"]
+            out[_series_name(n, lk) + ".sum"] = h["sum"]
+    for n, s in (data.get("observations") or {}).items():
+        for lk, values in s.items():
+            out[_series_name(n, lk) + ".count"] = len(values)
+            out[_series_name(n, lk) + ".sum"] = sum(values)
+    return out
+
+
+def value(name: str, data: dict | None = None, **labels: Any) -> float:
+    """One series of `data` (default: this process's snapshot); a histogram gives its count; 0 when
+    nothing was recorded."""
+    d = METRICS[name]
+    key = _series_name(name, _label_key(d, labels))
+    if d.kind == "histogram":
+        key += ".count"
+    return flat(snapshot() if data is None else data).get(key, 0)
