@@ -31,6 +31,7 @@ from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
+from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -174,6 +175,19 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # ============================================================== both sides: metrics (stats.py)
+    def get_kv_connector_stats(self) -> LMCacheConnectorStats | None:
+        return take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheConnectorStats:
+        return LMCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LMCachePromMetrics:
+        return LMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
