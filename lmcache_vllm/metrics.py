@@ -66,6 +66,11 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
        "server lives in the scheduler's process", scope="engine"),
     _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
+    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, or more tokens than "
+       "max_model_len (answered 0 hits or dropped)"),
+    _c("uncacheable_requests", "requests", "Requests neither looked up nor saved because what decides "
+       "their KV besides token ids cannot be named in a key (reason: mm_unidentified, lora_unreadable, "
+       "error_<exception>)", ("reason",), scope="engine"),
     _h("lookup_seconds", "Time of one scheduler lookup over every rank", scope="engine"),
     _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache "
        "(counted once per scheduled load)", scope="engine"),

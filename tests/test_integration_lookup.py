@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import threading
 import time
 
@@ -9,12 +11,14 @@ import pytest
 import zmq
 
 from lmcache_vllm import metrics
+from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
 from lmcache_vllm.integration.vllm.lookup import (
     LookupClient,
     LookupServer,
     decode_tokens,
     encode_tokens,
     lookup_socket_path,
+    private_socket_dir,
 )
 
 
@@ -24,9 +28,7 @@ def sock_dir(tmp_path_factory):
     import tempfile
     d = tempfile.mkdtemp(prefix="lk")
     yield d
-    for name in os.listdir(d):
-        os.unlink(os.path.join(d, name))
-    os.rmdir(d)
+    shutil.rmtree(d)
 
 
 def test_tokens_roundtrip_as_int64():
@@ -39,6 +41,8 @@ def test_tokens_roundtrip_as_int64():
 def test_socket_path_is_per_instance_and_rank(sock_dir):
     a0 = lookup_socket_path("engine-a", 0, sock_dir)
     assert a0 != lookup_socket_path("engine-a", 1, sock_dir)
+    assert a0 != lookup_socket_path("engine-a", 0, sock_dir, pp_rank=1)  # PP stages never share a socket
+    assert a0 == lookup_socket_path("engine-a", 0, sock_dir, pp_rank=0)
     assert a0 != lookup_socket_path("engine-b", 0, sock_dir)
     assert a0 == lookup_socket_path("engine-a", 0, sock_dir)
     long_dir = "/" + "x" * 120
@@ -47,18 +51,20 @@ def test_socket_path_is_per_instance_and_rank(sock_dir):
 
 def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     seen = []
-    s0 = LookupServer(lookup_socket_path("e", 0, sock_dir), lambda t: (seen.append(t.tolist()), 512)[1])
-    s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda t: 256)
+    s0 = LookupServer(lookup_socket_path("e", 0, sock_dir), lambda t, e: (seen.append((t.tolist(), e)), 512)[1])
+    s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda t, e: 256)
     client = LookupClient([s0.address, s1.address], timeout_ms=2000, direct=False)
     try:
         assert client.lookup(list(range(600))) == 256
-        assert seen == [list(range(600))]
+        extra = ExtraKeys(b"salt", (ExtraSpan(10, 20, b"mm:x"),))
+        assert client.lookup(list(range(600)), extra) == 256
+        assert seen == [(list(range(600)), NO_EXTRA_KEYS), (list(range(600)), extra)]
         assert metrics.value("lookups_in_process") == 0
     finally:
         client.close()
         s0.close()
         s1.close()
-    assert not os.listdir(sock_dir)  # closing removes the socket files
+    assert not os.listdir(os.path.dirname(s0.address[len("ipc://"):]))  # closing removes the sockets
 
 
 def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
@@ -73,7 +79,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
 
     release = threading.Event()
 
-    def slow(tokens):
+    def slow(tokens, extra):
         release.wait(2)
         return 999
 
@@ -83,7 +89,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
         assert client.lookup([1]) == 0  # timed out
         release.set()
         time.sleep(0.2)  # the late answer arrives and must not be taken for the next question
-        server._lookup_fn = lambda tokens: 7
+        server._lookup_fn = lambda tokens, extra: 7
         assert client.lookup([1]) == 7
     finally:
         client.close()
@@ -91,7 +97,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
 
 
 def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
-    def broken(tokens):
+    def broken(tokens, extra):
         raise RuntimeError("storage down")
 
     server = LookupServer(lookup_socket_path("bad", 0, sock_dir), broken)
@@ -101,9 +107,12 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
     raw.connect(server.address)
     try:
         raw.send_multipart([b"garbage"])  # wrong frame count: ignored, server keeps serving
-        raw.send_multipart([b"\x01" * 8, b"\x00" * 5])  # not whole int64s: answered as 0 hits
-        assert raw.poll(2000)
-        assert raw.recv_multipart()[1] == (0).to_bytes(8, "little")
+        for bad in ([b"\x01" * 8, b"\x00" * 5, b""],  # not whole int64s
+                    [b"\x01" * 8, b"\x00" * 8, b"junk"]):  # extra keys that do not parse
+            raw.send_multipart(bad)  # answered as 0 hits
+            assert raw.poll(2000)
+            assert raw.recv_multipart()[1] == (0).to_bytes(8, "little")
+        assert metrics.value("lookup_rejected") == 3
         assert client.lookup([1, 2]) == 0
     finally:
         raw.close()
@@ -112,17 +121,70 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
 
 
 def test_servers_in_the_same_process_are_called_directly(sock_dir):
-    s0 = LookupServer(lookup_socket_path("local", 0, sock_dir), lambda t: 512)
-    s1 = LookupServer(lookup_socket_path("local", 1, sock_dir), lambda t: int(t[-1]))
+    s0 = LookupServer(lookup_socket_path("local", 0, sock_dir), lambda t, e: 512)
+    s1 = LookupServer(lookup_socket_path("local", 1, sock_dir), lambda t, e: int(t[-1]) + len(e.prefix))
     client = LookupClient([s0.address, s1.address], timeout_ms=50)
     try:
         assert client.lookup(list(range(300))) == 299  # minimum over ranks, as over the sockets
-        assert metrics.value("lookups_in_process") == 1
-        s1._lookup_fn = lambda t: 1 // 0  # a failing lookup is 0 hits here too
+        assert client.lookup(list(range(300)), ExtraKeys(b"ab")) == 301  # extra keys reach the rank
+        assert metrics.value("lookups_in_process") == 2
+        s1._lookup_fn = lambda t, e: 1 // 0  # a failing lookup is 0 hits here too
         assert client.lookup([5]) == 0
         s1.close()  # a rank no longer local: the sockets are used (and time out here)
         assert client.lookup([5]) == 0
-        assert metrics.value("lookups_in_process") == 2 and metrics.value("lookup_timeouts") == 1
+        assert metrics.value("lookups_in_process") == 3 and metrics.value("lookup_timeouts") == 1
     finally:
         client.close()
         s0.close()
+
+
+def test_sockets_are_private_to_this_user(sock_dir):
+    server = LookupServer(lookup_socket_path("priv", 0, sock_dir), lambda t, e: 1)
+    try:
+        path = server.address[len("ipc://"):]
+        directory = os.path.dirname(path)
+        assert os.path.dirname(directory) == sock_dir
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert os.stat(directory).st_uid == os.getuid()
+    finally:
+        server.close()
+    # A directory of ours with a loose mode is tightened; a symlink or a file there is refused.
+    loose = os.path.join(sock_dir, "loose")
+    os.mkdir(loose, 0o755)
+    os.chmod(loose, 0o777)
+    assert stat.S_IMODE(os.stat(private_socket_dir(loose)).st_mode) == 0o700
+    os.symlink(loose, os.path.join(sock_dir, "link"))
+    with pytest.raises(PermissionError):
+        private_socket_dir(os.path.join(sock_dir, "link"))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to create a directory owned by another user")
+def test_directory_of_another_user_is_refused(sock_dir):
+    theirs = os.path.join(sock_dir, "theirs")
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(PermissionError, match="not a directory owned"):
+        private_socket_dir(theirs)
+
+
+def test_frames_are_bounded(sock_dir):
+    seen = []
+    server = LookupServer(lookup_socket_path("bound", 0, sock_dir), lambda t, e: seen.append(len(t)) or 5,
+                          max_tokens=100)
+    client = LookupClient([server.address], timeout_ms=1000, direct=False)
+    try:
+        assert client.lookup(list(range(100))) == 5
+        assert client.lookup(list(range(101))) == 0  # more tokens than max_model_len: no lookup at all
+        assert seen == [100] and metrics.value("lookup_rejected") == 1
+        # A message over MAXMSGSIZE is never buffered: ZMQ drops the peer, the server keeps serving.
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(server.address)
+        raw.send_multipart([b"\x01" * 8, b"\x00" * (8 << 20), b""])
+        assert not raw.poll(300)
+        raw.close()
+        assert client.lookup(list(range(10))) == 5
+    finally:
+        client.close()
+        server.close()

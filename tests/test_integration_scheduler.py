@@ -23,9 +23,11 @@ class PrefixStore:
     def __init__(self, hit: int = 0):
         self.hit = hit
         self.calls = 0
+        self.extras = []
 
-    def lookup(self, tokens) -> int:
+    def lookup(self, tokens, extra=None) -> int:
         self.calls += 1
+        self.extras.append(extra)
         return min(self.hit, len(tokens))
 
 
@@ -134,7 +136,7 @@ def test_token_ids_are_converted_once_per_request():
     """Lookup, load and save specs share one int64 array per request (hashing from numpy is fast)."""
     half, store = make_half(hit=512)
     seen = []
-    store.lookup = lambda tokens: seen.append(tokens) or 512
+    store.lookup = lambda tokens, extra: seen.append(tokens) or 512
     req = make_request("a", 700)
     n, _ = half.get_num_new_matched_tokens(req, 0)
     half.update_state_after_alloc(req, None, n)

@@ -128,7 +128,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                                                                  world_size),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
                 async_save=self.config.extra_config.async_save,
-                lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None)
+                lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None,
+                max_lookup_tokens=vllm_config.model_config.max_model_len)
         logger.info("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)
 

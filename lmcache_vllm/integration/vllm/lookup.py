@@ -11,14 +11,22 @@ the common case: scheduler and worker share the process), the client calls the s
 functions directly instead of going through the sockets: measured inside vLLM, a socket round trip
 took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
 
-Wire format (no pickle): request = [seq: u64 LE, token ids: int64 LE array], reply = [seq: u64 LE,
-hit tokens: i64 LE]. A rank that does not answer within the timeout counts as 0 hits, never an error.
+Wire format (no pickle): request = [seq: u64 LE, token ids: int64 LE array, extra keys:
+`ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq: u64 LE, hit tokens: i64 LE]. A rank that
+does not answer within the timeout counts as 0 hits, never an error.
+
+Isolation on a shared host: the sockets live in a private directory (`private_socket_dir`: mode 0700,
+owned by this user, refused otherwise) and are chmod 0600; the server drops any message larger than a
+lookup can be (`zmq.MAXMSGSIZE`), answers 0 to more tokens than `max_tokens` (vLLM's max_model_len) and
+to malformed payloads. With pipeline parallelism every (pp, tp) rank serves its own socket and the
+client takes the minimum over all of them (a prefix is usable only if every stage holds its layers).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -29,6 +37,7 @@ import numpy as np
 import zmq
 
 from lmcache_vllm import metrics
+from lmcache_vllm.extra_keys import MAX_EXTRA_BYTES, NO_EXTRA_KEYS, ExtraKeys
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +49,40 @@ _local_servers: dict[str, "LookupServer"] = {}  # address -> live server of this
 _local_lock = threading.Lock()
 
 
-def lookup_socket_path(instance_id: str, rank: int, base_dir: str | None = None) -> str:
-    """The ipc:// address rank `rank` of vLLM instance `instance_id` serves lookups on.
+def lookup_socket_path(instance_id: str, rank: int, base_dir: str | None = None, pp_rank: int = 0) -> str:
+    """The ipc:// address TP rank `rank` of PP stage `pp_rank` of vLLM instance `instance_id` serves
+    lookups on, inside this user's private socket directory (see `private_socket_dir`).
 
     Unix socket paths are limited to ~107 bytes, so the instance id is hashed into a short name.
     """
     base = base_dir or os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
     tag = hashlib.sha1(instance_id.encode()).hexdigest()[:16]
-    name = f"lmcache-lookup-{tag}-{rank}.sock"
-    path = os.path.join(base, name)
+    name = f"lookup-{tag}-pp{pp_rank}-tp{rank}.sock"
+    path = os.path.join(base, _private_dir_name(), name)
     if len(path) > _MAX_IPC_PATH:
-        path = os.path.join("/tmp", name)  # the engine id in the name keeps instances apart
+        path = os.path.join("/tmp", _private_dir_name(), name)  # the engine id keeps instances apart
     return f"ipc://{path}"
+
+
+def _private_dir_name() -> str:
+    return f"lmcache-vllm-{os.getuid()}"
+
+
+def private_socket_dir(path: str) -> str:
+    """Creates (or checks) `path` as a directory only this user can enter: mode 0700, owned by us, not a
+    symlink. Another user's or a world-accessible directory there is refused (`PermissionError`), since
+    whoever controls it could intercept or fake lookups."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"lookup socket directory {path!r} is not a directory owned by uid "
+                              f"{os.getuid()}; remove it or set VLLM_RPC_BASE_PATH elsewhere")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # ours, with a looser mode (e.g. made by an older version): tighten it
+    return path
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
@@ -67,19 +98,28 @@ def decode_tokens(payload: bytes) -> np.ndarray:
 class LookupServer:
     """Answers prefix lookups for one worker rank on its own daemon thread.
 
-    `lookup_fn(token_ids: np.ndarray) -> int` is the engine's lookup; an exception in it answers 0.
+    `lookup_fn(token_ids: np.ndarray, extra: ExtraKeys) -> int` is the engine's lookup; an exception in
+    it answers 0. More than `max_tokens` token ids are answered 0 without a lookup.
     """
 
-    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray], int]):
+    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray, ExtraKeys], int],
+                 max_tokens: int = 1 << 20):
         self.address = address
         self._lookup_fn = lookup_fn
+        self.max_tokens = int(max_tokens)
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A peer sending a larger message is disconnected by ZMQ before it is buffered.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(self.max_tokens * 8, MAX_EXTRA_BYTES) + 64)
         self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
-        if self._path and os.path.exists(self._path):
-            os.unlink(self._path)  # a stale socket file from a process that died
+        if self._path:
+            private_socket_dir(os.path.dirname(self._path))
+            if os.path.lexists(self._path):
+                os.unlink(self._path)  # a stale socket file from a process that died
         self._socket.bind(address)
+        if self._path:
+            os.chmod(self._path, 0o600)
         with _local_lock:
             _local_servers[address] = self
         self._stop = threading.Event()
@@ -87,20 +127,25 @@ class LookupServer:
         self._thread.start()
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | None:
-        if len(frames) != 3 or len(frames[1]) != _U64.size:
+        if len(frames) != 4 or len(frames[1]) != _U64.size:
+            metrics.inc("lookup_rejected")
             logger.warning("malformed lookup request (%d frames) ignored", len(frames))
             return None
-        identity, seq, payload = frames
+        identity, seq, payload, extra_bytes = frames
         try:
             tokens = decode_tokens(payload)
-        except ValueError:
-            logger.warning("malformed lookup payload (%d bytes); answering 0 hits", len(payload))
+            if len(tokens) > self.max_tokens:
+                raise ValueError(f"{len(tokens)} tokens, at most {self.max_tokens}")
+            extra = ExtraKeys.from_bytes(extra_bytes)
+        except ValueError as exc:
+            metrics.inc("lookup_rejected")
+            logger.warning("malformed lookup request (%s); answering 0 hits", exc)
             return [identity, seq, _I64.pack(0)]
-        return [identity, seq, _I64.pack(self.lookup(tokens))]
+        return [identity, seq, _I64.pack(self.lookup(tokens, extra))]
 
-    def lookup(self, token_ids: np.ndarray) -> int:
+    def lookup(self, token_ids: np.ndarray, extra: ExtraKeys | None = None) -> int:
         try:
-            return int(self._lookup_fn(token_ids))
+            return int(self._lookup_fn(token_ids, extra or NO_EXTRA_KEYS))
         except Exception:  # the cache never breaks inference: a failing lookup is a miss
             logger.exception("lookup failed; answering 0 hits")
             return 0
@@ -163,18 +208,19 @@ class LookupClient:
             servers = [_local_servers.get(a) for a in self._addresses]
         return None if None in servers else servers
 
-    def lookup(self, token_ids: Sequence[int]) -> int:
+    def lookup(self, token_ids: Sequence[int], extra: ExtraKeys | None = None) -> int:
         servers = self._local()
         if servers is not None:
             metrics.inc("lookups_in_process")
             tokens = np.asarray(token_ids, dtype=np.int64)
-            return max(0, min(server.lookup(tokens) for server in servers))
+            return max(0, min(server.lookup(tokens, extra) for server in servers))
         with self._lock:
             self._seq += 1
             seq = _U64.pack(self._seq)
             payload = encode_tokens(token_ids)
+            extra_bytes = extra.to_bytes() if extra else b""
             for sock in self._sockets:
-                sock.send_multipart([seq, payload])
+                sock.send_multipart([seq, payload, extra_bytes])
             return self._collect(seq)
 
     def _collect(self, seq: bytes) -> int:

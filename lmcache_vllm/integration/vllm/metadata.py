@@ -2,7 +2,8 @@
 
 `LMCacheConnectorMetadata` travels inside vLLM's `SchedulerOutput` (pickled to worker processes with
 tensor parallelism), so it holds plain ints, lists and numpy arrays only (token ids are one int64 array
-per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them). Per request it carries at most one
+per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them) and the
+request's `ExtraKeys` (frozen bytes; None only where nothing is cached). Per request it carries at most one
 `LoadSpec` (copy a cached prefix into the paged KV cache before the forward) and one `SaveSpec` (copy
 freshly computed KV out of the paged cache after it).
 """
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmcache_vllm.extra_keys import ExtraKeys
 
 
 def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -41,6 +44,7 @@ class LoadSpec:
     block_ids: list[int]
     skip_leading: int
     load_end: int
+    extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
 
     @property
     def num_tokens_to_load(self) -> int:
@@ -60,6 +64,7 @@ class SaveSpec:
     block_ids: list[int]
     skip_leading: int
     is_last: bool = False
+    extra: ExtraKeys | None = None
 
     @property
     def num_tokens(self) -> int:

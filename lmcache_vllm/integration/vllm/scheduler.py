@@ -7,6 +7,9 @@ load) and turns vLLM's scheduling decisions into `LoadSpec` / `SaveSpec`s for th
 
 Rules:
 - Hits come from the workers' `LookupServer`s; a lookup that times out is 0 hits.
+- Keys cover what besides token ids decides the KV (LoRA, multimodal items, cache salt, prompt
+  embeddings: `request_keys.py`); the request's `ExtraKeys` go with every lookup, load and save. A
+  request whose extra keys cannot be derived is neither looked up nor saved (`uncacheable_requests`).
 - Only tokens beyond vLLM's own prefix-cache hit (`num_computed_tokens`) are loaded.
 - A hit covering the whole sequence leaves its last token to vLLM, which needs that token's logits.
 - Saves cover whole chunks as soon as their KV is computed (chunked prefill saves step by step); a
@@ -24,7 +27,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from lmcache_vllm import metrics
+from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -58,13 +63,15 @@ class _Lookup:
 class RequestTracker:
     """What the scheduler half knows about one live request."""
 
-    def __init__(self, request: "Request"):
+    def __init__(self, request: "Request", extra: ExtraKeys | None, uncacheable: str | None = None):
         self.request = request
+        self.extra = extra  # None: see `uncacheable` (the reason), nothing is looked up or saved
         self.req_id: str = request.request_id
         self.prompt_len: int = request.num_prompt_tokens
         self.block_ids: list[int] = []
         self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
         self.pending_load: _PendingLoad | None = None
+        self.uncacheable = uncacheable
         self._token_array = np.empty(0, dtype=np.int64)
 
     def token_array(self) -> np.ndarray:
@@ -91,7 +98,8 @@ class SchedulerHalf:
     """Implements the scheduler-side methods of `KVConnectorBase_V1` for `LMCacheConnector`."""
 
     def __init__(self, *, chunk_size: int, block_size: int, lookup_client, can_load: bool,
-                 can_save: bool, save_unfull_chunk: bool, save_decode_cache: bool):
+                 can_save: bool, save_unfull_chunk: bool, save_decode_cache: bool,
+                 request_keys: RequestKeys | None = None):
         if chunk_size <= 0 or block_size <= 0:
             raise ValueError(f"chunk_size ({chunk_size}) and block_size ({block_size}) must be positive")
         self.chunk_size = chunk_size
@@ -101,8 +109,10 @@ class SchedulerHalf:
         self.can_save = can_save
         self.save_unfull_chunk = save_unfull_chunk
         self.save_decode_cache = save_decode_cache
+        self.request_keys = request_keys or RequestKeys(chunk_size)
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
+        self._warned_reasons: set[str] = set()
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -111,8 +121,11 @@ class SchedulerHalf:
         num_tokens = request.num_tokens
         if num_tokens < self.chunk_size and not self.save_unfull_chunk:
             return 0, False  # nothing this short is ever stored
+        tracker = self._tracker(request)
+        if tracker.extra is None:
+            return 0, False
         with metrics.timed("lookup_seconds"):
-            hit = min(self.lookup_client.lookup(self._tracker(request).token_array()), num_tokens)
+            hit = min(self.lookup_client.lookup(tracker.token_array(), tracker.extra), num_tokens)
         metrics.inc("lookups")
         self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
         usable = hit - 1 if hit == num_tokens else hit
@@ -178,8 +191,23 @@ class SchedulerHalf:
         # lookup, load and save of the request; dropped when the request finishes.
         tracker = self._trackers.get(request.request_id)
         if tracker is None or tracker.request is not request:
-            tracker = self._trackers[request.request_id] = RequestTracker(request)
+            tracker = self._trackers[request.request_id] = self._new_tracker(request)
         return tracker
+
+    def _new_tracker(self, request: "Request") -> RequestTracker:
+        try:
+            return RequestTracker(request, self.request_keys.extra_keys(request))
+        except UncacheableRequest as exc:
+            reason = exc.reason
+        except Exception as exc:  # a bug in deriving keys must not break serving: not cached, counted
+            logger.exception("request %s: extra keys failed", request.request_id)
+            reason = f"error_{type(exc).__name__}"
+        metrics.inc("uncacheable_requests", reason=reason)
+        if reason not in self._warned_reasons:  # once per reason: a client may send many such requests
+            self._warned_reasons.add(reason)
+            logger.warning("request %s is not cached (%s); further such requests are only counted",
+                           request.request_id, reason)
+        return RequestTracker(request, None, uncacheable=reason)
 
     def _forget(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)
@@ -191,7 +219,7 @@ class SchedulerHalf:
         if load is None or load.load_end <= load.skip_leading:
             return
         meta.loads.append(LoadSpec(
-            req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len),
+            req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len), extra=tracker.extra,
             block_ids=tracker.block_ids[:ceil_to(load.fetch_len, self.block_size) // self.block_size],
             skip_leading=load.skip_leading, load_end=load.load_end))
         # Whole chunks we just loaded are stored already: no need to save them again.
@@ -201,7 +229,7 @@ class SchedulerHalf:
     def _emit_save(self, tracker: RequestTracker, computed_before: int, kv_end: int,
                    meta: LMCacheConnectorMetadata) -> None:
         """Save what became computable this step: KV of tokens [0, kv_end) exists after it."""
-        if not self.can_save:
+        if not self.can_save or tracker.extra is None:
             return
         if computed_before < tracker.saved_end:
             # vLLM rolled the request back (failed load): what we thought saved may not be.
@@ -219,7 +247,7 @@ class SchedulerHalf:
             logger.warning("request %s: %d tokens to save but only %d blocks known; save skipped",
                            tracker.req_id, end, len(tracker.block_ids))
             return
-        meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end),
+        meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end), extra=tracker.extra,
                                    block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
                                    is_last=is_last))
         tracker.saved_end = end

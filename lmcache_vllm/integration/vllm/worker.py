@@ -60,11 +60,12 @@ class WorkerHalf:
     """
 
     def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
-                 lookup_address: str | None, async_save: bool = True):
+                 lookup_address: str | None, async_save: bool = True, max_lookup_tokens: int = 1 << 20):
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.use_layerwise = use_layerwise
         self.lookup_address = lookup_address
+        self.max_lookup_tokens = max_lookup_tokens
         self.engine = None
         self.lookup_server: LookupServer | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -88,15 +89,16 @@ class WorkerHalf:
             self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save",
                                              initializer=single_threaded_torch)
         if self.lookup_address is not None:
-            self.lookup_server = LookupServer(self.lookup_address, self._lookup)
+            self.lookup_server = LookupServer(self.lookup_address, self._lookup,
+                                              max_tokens=self.max_lookup_tokens)
         logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                     getattr(self.engine, "layout", None), self.lookup_address)
 
-    def _lookup(self, token_ids) -> int:
+    def _lookup(self, token_ids, extra=None) -> int:
         if self._pending_save_shares_prefix(token_ids):
             self.drain_saves()  # chunks a just-finished request is still storing count as present
         engine = self.engine
-        return 0 if engine is None else int(engine.lookup(token_ids))
+        return 0 if engine is None else int(engine.lookup(token_ids, extra))
 
     def _pending_save_shares_prefix(self, token_ids) -> bool:
         """Whether a background save still running stores the first chunk of `token_ids` (without a
@@ -158,11 +160,11 @@ class WorkerHalf:
         try:
             slots = slot_mapping_for(spec.block_ids, self.block_size, num)
             if self.use_layerwise:
-                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted)
+                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
                 loaded = next(retriever)
                 self._step.retrievers.append(retriever)
             else:
-                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted)
+                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
         except Exception:
             logger.exception("request %s: load failed; vLLM will recompute", spec.req_id)
             loaded = torch.zeros(num, dtype=torch.bool)
@@ -217,7 +219,7 @@ class WorkerHalf:
     def _start_layerwise_store(self, spec: SaveSpec):
         try:
             tokens, slots, mask = self._save_args(spec)
-            return self.engine.store_layer(tokens, self.kv_caches, slots, mask)
+            return self.engine.store_layer(tokens, self.kv_caches, slots, mask, extra=spec.extra)
         except Exception:
             logger.exception("request %s: store failed", spec.req_id)
             metrics.inc("failed_stores")
@@ -249,7 +251,7 @@ class WorkerHalf:
             try:
                 with metrics.timed("store_seconds"):
                     tokens, slots, mask = self._save_args(spec)
-                    self.engine.store(tokens, self.kv_caches, slots, mask)
+                    self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra)
             except Exception:
                 logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
                 metrics.inc("failed_stores")
