@@ -2,12 +2,13 @@
 
 1. Hashing: `KeyBuilder.keys` in tokens/s over many 4096-token prompts, for every supported algorithm
    and input kind (list, numpy, tensor).
-2. L1 through the engine: vLLM's CPU paged layout (isa `vec`, per layer `[num_blocks, num_kv_heads,
-   block_size, 2*head_size]`, block_size 128), 32 layers, 8 KV heads, head size 128, bf16, chunks of 256
-   tokens = 32 MiB each, blocks in random order. Store = one copy out of the paged cache (plus hashing,
-   allocation, indexing), retrieve = one copy back in; so store+retrieve is compared with two plain torch
-   copies of the same number of bytes measured in the same run:
-   `l1_store_retrieve_vs_copy_ratio = 2 * t_copy / (t_store + t_retrieve)` (1.0 = as fast as memcpy).
+2. L1 through the engine: vLLM's CPU paged layout (per layer `[num_blocks, num_kv_heads, block_size,
+   2*head_size]`, block_size 128) with the `vec` packing and again with the `amx` packing (keys prefixed
+   `amx_`), 32 layers, 8 KV heads, head size 128, bf16, chunks of 256 tokens = 32 MiB each, blocks in random
+   order. Store = one copy out of the paged cache (plus hashing, allocation, indexing), retrieve = one copy
+   back in; so store+retrieve is compared with two plain torch copies of the same number of bytes measured
+   in the same run: `l1_store_retrieve_vs_copy_ratio = 2 * t_copy / (t_store + t_retrieve)` (1.0 = as fast
+   as memcpy).
 3. L1 storage tier alone: StorageManager put (allocate + copy a chunk in + index) and get (lookup + copy
    out), in GB/s.
 With `--vs-lmcache PYTHON` the peer script runs under that interpreter (LMCache 0.5.6, see
@@ -78,7 +79,7 @@ def paged_caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
     return [torch.zeros(shape, dtype=DTYPE) for _ in range(LAYERS)]
 
 
-def bench_engine(num_chunks: int, repeats: int, results: dict) -> None:
+def bench_engine(num_chunks: int, repeats: int, results: dict, isa: str = "vec") -> None:
     num_tokens = num_chunks * CHUNK
     num_blocks = num_tokens // BLOCK_SIZE + 2
     chunk_bytes = LAYERS * 2 * CHUNK * KV_HEADS * HEAD_SIZE * DTYPE.itemsize
@@ -92,7 +93,7 @@ def bench_engine(num_chunks: int, repeats: int, results: dict) -> None:
 
     config = load_config({"chunk_size": CHUNK, "max_local_cpu_size": (total + 64 * MiB) / GiB},
                          environ={})
-    layout = detect_layout(src, backend_hint="CPU_ATTN", cpu_isa="vec")
+    layout = detect_layout(src, backend="CPU_ATTN", cpu_isa=isa)
     keys = KeyBuilder("bench/model", 1, 0, DTYPE, 1, ChunkHasher(CHUNK, config.pre_caching_hash_algorithm))
     engine = CacheEngine(config, layout, keys)
     try:
@@ -127,15 +128,16 @@ def bench_engine(num_chunks: int, repeats: int, results: dict) -> None:
     finally:
         engine.close()
 
-    results.update(
+    prefix = "" if isa == "vec" else f"{isa}_"
+    results.update({prefix + key: value for key, value in dict(
         l1_chunk_bytes=chunk_bytes, l1_chunks=num_chunks, l1_store_gbps=gbps(total, store_s),
         l1_retrieve_gbps=gbps(total, retrieve_s), torch_copy_gbps=gbps(total, copy_s),
         layout_gather_gbps=gbps(total, gather_s), layout_scatter_gbps=gbps(total, scatter_s),
         l1_store_s=store_s, l1_retrieve_s=retrieve_s, torch_copy_s=copy_s,
         l1_store_vs_copy_ratio=copy_s / store_s, l1_retrieve_vs_copy_ratio=copy_s / retrieve_s,
-        l1_store_retrieve_vs_copy_ratio=2 * copy_s / (store_s + retrieve_s))
+        l1_store_retrieve_vs_copy_ratio=2 * copy_s / (store_s + retrieve_s)).items()})
     print_table(f"CacheEngine L1, {num_chunks} chunks x {chunk_bytes // MiB} MiB "
-                f"(vLLM CPU vec layout, {LAYERS} layers, {KV_HEADS} kv heads, head {HEAD_SIZE}, bf16)",
+                f"(vLLM CPU {isa} layout, {LAYERS} layers, {KV_HEADS} kv heads, head {HEAD_SIZE}, bf16)",
                 [("store (paged -> L1)", store_s * 1e3, gbps(total, store_s), copy_s / store_s),
                  ("retrieve (L1 -> paged)", retrieve_s * 1e3, gbps(total, retrieve_s), copy_s / retrieve_s),
                  ("  layout gather alone", gather_s * 1e3, gbps(total, gather_s), copy_s / gather_s),
@@ -220,7 +222,8 @@ def main() -> None:
     num_prompts, prompt_tokens = (16 if args.quick else 64), 4096
     results: dict = {"quick": bool(args.quick), "torch_threads": torch.get_num_threads()}
     bench_hashing(num_prompts, prompt_tokens, repeats * 3, results)
-    bench_engine(num_chunks, repeats, results)
+    bench_engine(num_chunks, repeats, results, "vec")
+    bench_engine(num_chunks, repeats, results, "amx")
     bench_storage_l1(num_chunks, repeats, results)
     if args.vs_lmcache:
         compare_with_lmcache(args.vs_lmcache, num_prompts, prompt_tokens, num_chunks, repeats, results)

@@ -4,9 +4,10 @@ noise hits every contender alike; the best round of each is reported).
 
 Shape (the engine's target case): 32 layers, 8 KV heads, head size 128, bf16, 256 tokens, block 128, for
 vLLM's CPU `vec` and `amx` packings; plus a mid-block start (partial blocks at both ends) and a
-scattered-slots case (random slots with holes and -1) where the per-token path runs. On a CUDA machine with `lmcache_vllm._cuda_ops` built it also times the flash
-kernels into device memory and into pinned host memory against a device-to-device copy and a raw pinned
-copy of the same bytes.
+scattered-slots case (random slots with holes and -1) where the per-token path runs. On a CUDA machine with
+`lmcache_vllm._cuda_ops` built it also times the strided kernel on vLLM's FLASH_ATTN views (LBNHC, block 16)
+into device memory and into pinned host memory against a device-to-device copy and a raw pinned copy
+(cudaMemcpyAsync) of the same bytes, `calls` back-to-back operations between two CUDA events.
 
     python benchmarks/bench_ops.py [--quick] [--json FILE] [--threads N] [--isa auto|avx512|sse2|scalar]
 Ratios (`*_ratio`, best rounds; `*_median_ratio`: median of same-round ratios): op_vs_torch = torch time / op time (target >= 2); op_vs_copy = copy time / op time
@@ -25,6 +26,7 @@ import torch
 
 from lmcache_vllm import ops
 from lmcache_vllm.layouts import detect_layout
+from lmcache_vllm.testing.kv_views import KVViewCase, fill_known, kv_views
 
 
 def timed(fn: Callable[[], None], calls: int) -> float:
@@ -71,7 +73,7 @@ def bench_cpu(isa: str, slots_kind: str, rounds: int, calls: int, results: dict)
     else:
         slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
         slots[::17] = -1
-    layout = detect_layout(caches, cpu_isa=isa)
+    layout = detect_layout(caches, backend="CPU_ATTN", cpu_isa=isa)
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=torch.bfloat16)
     layout.gather(caches, slots, chunk)
     copy_src, copy_dst = chunk.clone(), torch.empty_like(chunk)
@@ -114,37 +116,74 @@ def bench_cuda(rounds: int, calls: int, results: dict) -> None:
         print("\ncuda: skipped (no GPU or lmcache_vllm._cuda_ops not built)")
         results["cuda_skipped"] = True
         return
-    layers, heads, head_size, block_size, tokens, blocks = 32, 8, 128, 16, 256, 1024
+    tokens = 256
+    case = KVViewCase(layout="LBNHC", num_layers=32, num_blocks=1024, block_size=16, num_kv_heads=8,
+                      head_size=128)
     dev = torch.device("cuda")
-    caches = [torch.randn(2, blocks, block_size, heads, head_size, device=dev).to(torch.bfloat16) for _ in range(layers)]
-    slots = torch.randperm(blocks * block_size, device=dev)[:tokens]
-    layout = detect_layout(caches, backend_hint="FLASH_ATTN")
+    caches = kv_views(case, dev)
+    raw = torch.empty(0, dtype=torch.uint8, device=dev).set_(caches[0].untyped_storage())
+    raw.copy_(torch.randint(0, 100, raw.shape, dtype=torch.uint8, device=dev))
+    slots = torch.randperm(case.num_blocks * case.block_size)[:tokens]  # host slots, as the connector has them
+    layout = detect_layout(caches, **case.describe())
     dev_chunk = torch.empty(layout.chunk_shape(tokens), dtype=torch.bfloat16, device=dev)
     host_chunk = torch.empty(layout.chunk_shape(tokens), dtype=torch.bfloat16, pin_memory=True)
     dev_src, dev_dst = dev_chunk.clone(), torch.empty_like(dev_chunk)
 
-    def sync(fn):
+    def on_device(fn):  # `calls` operations back to back, timed by CUDA events, per operation
         def run():
-            fn()
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            run.seconds = start.elapsed_time(end) / 1e3 / calls
         return run
 
-    contenders = {"d2d_copy": sync(lambda: dev_dst.copy_(dev_src)),
-                  "pinned_copy": sync(lambda: host_chunk.copy_(dev_src, non_blocking=True)),
-                  "op_gather_device": sync(lambda: layout.gather(caches, slots, dev_chunk)),
-                  "op_gather_pinned": sync(lambda: layout.gather(caches, slots, host_chunk)),
-                  "op_scatter_device": sync(lambda: layout.scatter(dev_chunk, caches, slots)),
-                  "op_scatter_pinned": sync(lambda: layout.scatter(host_chunk, caches, slots))}
+    contenders = {"d2d_copy": on_device(lambda: dev_dst.copy_(dev_src)),
+                  "pinned_d2h_copy": on_device(lambda: host_chunk.copy_(dev_src, non_blocking=True)),
+                  "pinned_h2d_copy": on_device(lambda: dev_dst.copy_(host_chunk, non_blocking=True)),
+                  "op_gather_device": on_device(lambda: layout.gather(caches, slots, dev_chunk)),
+                  "op_gather_pinned": on_device(lambda: layout.gather(caches, slots, host_chunk)),
+                  "op_scatter_device": on_device(lambda: layout.scatter(dev_chunk, caches, slots)),
+                  "op_scatter_pinned": on_device(lambda: layout.scatter(host_chunk, caches, slots))}
+    for fn in contenders.values():
+        fn()  # warm up: layer pointer array, slot upload
+    best = {name: float("inf") for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            fn()
+            best[name] = min(best[name], fn.seconds)
+    nbytes = dev_chunk.numel() * dev_chunk.element_size()
+    print(f"\ncuda {torch.cuda.get_device_name()}: strided kernel on LBNHC views, {tokens} random slots, "
+          f"{nbytes >> 20} MiB")
+    for name, seconds in best.items():
+        print(f"  {name:<20}{seconds * 1e3:>9.4f} ms {nbytes / seconds / 1e9:>8.1f} GB/s")
+        results[f"cuda_{name}_ms"] = round(seconds * 1e3, 5)
+    for op, kind, base in (("gather", "device", "d2d_copy"), ("scatter", "device", "d2d_copy"),
+                           ("gather", "pinned", "pinned_d2h_copy"), ("scatter", "pinned", "pinned_h2d_copy")):
+        ratio = best[base] / best[f"op_{op}_{kind}"]
+        results[f"cuda_{op}_{kind}_vs_copy_ratio"] = round(ratio, 3)
+        print(f"  cuda_{op}_{kind}_vs_copy_ratio {ratio:.2f}")
+    results["cuda_device"] = torch.cuda.get_device_name()
+
+
+def bench_cpu_strided(rounds: int, calls: int, results: dict) -> None:
+    """The compiled op on a CUDA-style LBNHC view held on the CPU (vLLM's CPU_MLA and tests use this path)."""
+    case = KVViewCase(layout="LBNHC", num_layers=32, num_blocks=64, block_size=128, num_kv_heads=8, head_size=128)
+    caches = fill_known(kv_views(case), case)
+    slots = torch.arange(10 * 128, 10 * 128 + 256)
+    layout = detect_layout(caches, **case.describe())
+    chunk = torch.empty(layout.chunk_shape(256), dtype=torch.bfloat16)
+    copy_src, copy_dst = chunk.clone(), torch.empty_like(chunk)
+    contenders = {"copy": lambda: copy_dst.copy_(copy_src),
+                  "op_gather": with_mode("auto", lambda: layout.gather(caches, slots, chunk)),
+                  "op_scatter": with_mode("auto", lambda: layout.scatter(chunk, caches, slots))}
     t = interleaved(contenders, rounds, calls)
-    print("\ncuda flash (random slots):")
-    for name, seconds in t.items():
-        print(f"  {name:<20}{seconds * 1e3:>9.3f} ms")
-        results[f"cuda_{name}_ms"] = round(seconds * 1e3, 4)
-    for kind, base in (("device", "d2d_copy"), ("pinned", "pinned_copy")):
-        for op in ("gather", "scatter"):
-            ratio = t[base] / t[f"op_{op}_{kind}"]
-            results[f"cuda_{op}_{kind}_vs_copy_ratio"] = round(ratio, 3)
-            print(f"  cuda_{op}_{kind}_vs_copy_ratio {ratio:.2f}")
+    ratio = 2 * t["copy"] / (t["op_gather"] + t["op_scatter"])
+    results["cpu_strided_lbnhc_op_vs_copy_store_retrieve_ratio"] = round(ratio, 3)
+    print(f"\ncpu strided LBNHC views: gather {t['op_gather'] * 1e3:.3f} ms, scatter {t['op_scatter'] * 1e3:.3f} ms, "
+          f"copy {t['copy'] * 1e3:.3f} ms, store+retrieve vs copy {ratio:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,15 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rounds, calls = (7, 3) if args.quick else (21, 5)
     results: dict[str, object] = {"threads": torch.get_num_threads(), "cpu_ext": ops.cpu_ext() is not None}
-    parser_isa = args.isa
     if ops.cpu_ext() is not None:
-        results["cpu_isa"] = ops.cpu_ext().set_isa(parser_isa)
+        error = ops.cpu_ext().set_isa(args.isa)
+        if error:
+            parser.error(error)
+        results["cpu_isa"] = ops.cpu_ext().isa()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled CPU op: {results['cpu_ext']} "
           f"(kernels: {results.get('cpu_isa')})")
     for isa in ("vec", "amx"):
         bench_cpu(isa, "blocks", rounds, calls, results)
     bench_cpu("vec", "midblock", max(3, rounds // 2), calls, results)
     bench_cpu("vec", "scattered", max(3, rounds // 2), 1, results)
+    if ops.cpu_ext() is not None:
+        bench_cpu_strided(max(3, rounds // 2), calls, results)
     bench_cuda(rounds, calls, results)
     if args.json:
         with open(args.json, "w") as f:

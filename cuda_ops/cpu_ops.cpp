@@ -2,10 +2,16 @@
 // cache) by slot mapping on the CPU, for the layouts of lmcache_vllm.layouts:
 //   0 cpu vec/vec16: per layer [blocks, heads, bs, 2*D]; per (block, head) K^T [D][bs] then V [bs][D]
 //   1 cpu amx (2-byte dtypes): K [bs/16][D/2][16][2], V [D/16][bs/2][16][2] per (block, head)
-//   2 flash: per layer [2, blocks, bs, heads, D]      3 mla: per layer [blocks, bs, dim]
+//   4 strided: vLLM's per-layer [B, H, N, C] views with any strides (C contiguous; C = planes * D), read
+//     from the tensors; each (layer, plane, token, head) is one contiguous piece of D elements.
 // Chunk: [layers, planes, T, width] contiguous. Slots < 0 are skipped. All layers move in one call, split
-// over ATen's thread pool (at::parallel_for) as (layer, run, head) tasks. Runs of consecutive slots inside
-// a block (whole blocks are the usual case) move as tiles; the other tokens one row at a time.
+// over ATen's thread pool as (layer, 32-token strip) tasks that the threads take one by one (a thread the
+// OS preempts on a busy host delays only its own task, not a fixed half of the work). Runs of consecutive
+// slots inside a block (whole blocks are the usual case) move as tiles; the other tokens one row at a time.
+// Errors: gather/scatter return "" or a message and never throw. Every input (shapes, strides, dtypes,
+// devices, every slot) is validated before any data is read or any parallel region starts, and nothing
+// inside a parallel region can throw: a bad input is a Python exception (raised by lmcache_vllm.ops), never
+// a crash, even where C++ exceptions do not unwind across the extension (`throw_for_diagnosis` tells).
 // Kernels, picked at run time (`isa()`, `set_isa()`, env LMCACHE_VLLM_CPU_ISA=auto|avx512|sse2|scalar):
 //   avx512  32x32 (16-bit) / 16x16 (32-bit) transposes and 2-line amx V permutes that read and write whole
 //           64-byte lines (cpu_ops_avx512.h, target attributes: no -march flag, the wheel runs anywhere);
@@ -27,10 +33,12 @@
 #include <vector>
 
 #include "cpu_ops_avx512.h"
+#include "op_errors.h"
 
 namespace {
 
-enum LayoutCode : int64_t { kVec = 0, kAmx = 1, kFlash = 2, kMla = 3 };
+enum LayoutCode : int64_t { kVec = 0, kAmx = 1, kStrided = 4 };
+constexpr int64_t kAbi = 2;  // calling convention (lmcache_vllm.ops.ABI_VERSION)
 enum Isa : int { kScalar = 0, kSse2 = 1, kAvx512 = 2 };
 const char* const kIsaNames[] = {"scalar", "sse2", "avx512"};
 
@@ -48,30 +56,27 @@ Isa best_isa() {
 
 std::atomic<int> g_isa{-1};
 
-// Picks `name` (auto = the best this CPU runs); an unknown name or one this CPU cannot run is an error.
-std::string set_isa(const std::string& name) {
+// Picks `name` (auto = the best this CPU runs). Returns "" or why `name` cannot be used (nothing changes then).
+std::string set_isa_checked(const std::string& name) {
   const Isa best = best_isa();
   Isa chosen = best;
   if (name != "auto" && !name.empty()) {
     int i = 0;
     while (i <= kAvx512 && name != kIsaNames[i]) ++i;
-    TORCH_CHECK(i <= kAvx512, "_cpu_ops: unknown isa '", name, "' (auto, avx512, sse2, scalar)");
-    TORCH_CHECK(i <= best, "_cpu_ops: isa '", name, "' not supported here (best: ", kIsaNames[best], ")");
+    if (i > kAvx512) return "unknown isa '" + name + "' (auto, avx512, sse2, scalar)";
+    if (i > best) return "isa '" + name + "' not supported here (best: " + kIsaNames[best] + ")";
     chosen = static_cast<Isa>(i);
   }
   g_isa.store(chosen);
-  return kIsaNames[chosen];
+  return "";
 }
 
 Isa current_isa() {
   int isa = g_isa.load();
   if (isa < 0) {
     const char* env = std::getenv("LMCACHE_VLLM_CPU_ISA");
-    try {
-      set_isa(env ? env : "auto");
-    } catch (const c10::Error&) {  // a bad env value must not break the op: fall back to the best
-      set_isa("auto");
-    }
+    // A bad env value must not break the op: fall back to the best.
+    if (!set_isa_checked(env ? env : "auto").empty()) set_isa_checked("auto");
     isa = g_isa.load();
   }
   return static_cast<Isa>(isa);
@@ -216,7 +221,6 @@ inline void amx_v_pairs(Isa isa, T* tile, T* r0, T* r1) {
 // Flat element offset of (plane, slot, head, d) in one layer's cache.
 inline int64_t element_offset(int64_t layout, const Geometry& g, int64_t plane, int64_t slot, int64_t h, int64_t d) {
   const int64_t b = slot / g.bs, o = slot % g.bs;
-  if (layout == kFlash || layout == kMla) return ((plane * g.blocks + b) * g.bs + o) * g.width + h * g.dim + d;
   const int64_t base = (b * g.heads + h) * 2 * g.bs * g.dim + plane * g.bs * g.dim;
   if (layout == kVec) return base + (plane == 0 ? d * g.bs + o : o * g.dim + d);
   if (plane == 0) return base + ((o / 16) * (g.dim / 2) + d / 2) * 32 + (o % 16) * 2 + d % 2;
@@ -387,19 +391,13 @@ LMCACHE_AVX512 void move_avx512(int64_t layout, const Geometry& g, const HeadPla
 }
 #endif
 
-// One task: both planes of one run of one head (vec/amx), or of the whole row width (flash/mla).
+// One task: both planes of one run of one head (vec/amx).
 template <typename T, bool kGather>
 void move_run_head(Isa isa, bool stream, int64_t layout, const Geometry& g, T* cache, const Segment& run, int64_t h,
                    T* rows, int64_t plane_stride) {
   const int64_t bs = g.bs, D = g.dim, W = g.width;
   for (int64_t plane = 0; plane < g.planes; ++plane) {
     T* plane_rows = rows + plane * plane_stride;
-    if (layout == kFlash || layout == kMla) {  // the rows of all heads are contiguous on both sides
-      T* base = cache + ((plane * g.blocks + run.block) * bs + run.first) * W;
-      if (kGather) std::memcpy(plane_rows, base, run.len * W * sizeof(T));
-      else std::memcpy(base, plane_rows, run.len * W * sizeof(T));
-      continue;
-    }
     const HeadPlane<T> x{cache + (run.block * g.heads + h) * 2 * bs * D + plane * bs * D, plane_rows + h * D,
                          run.first, run.first + run.len, W};
 #if defined(LMCACHE_HAVE_AVX512)
@@ -413,12 +411,25 @@ void move_run_head(Isa isa, bool stream, int64_t layout, const Geometry& g, T* c
   }
 }
 
+// Calls fn(begin, end) over [0, n) in pieces of `grain`, handed out one by one to ATen's threads; `done` runs
+// once per thread after its last piece.
+template <typename F, typename G>
+void parallel_items(int64_t n, int64_t grain, const F& fn, const G& done) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(grain, std::memory_order_relaxed)) < n;) fn(i, std::min(n, i + grain));
+    done();
+  });
+}
+
 template <typename T, bool kGather>
 void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots,
          int64_t num_tokens, const Plan& plan) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   const int64_t layer_stride = g.planes * num_tokens * g.width, plane_stride = num_tokens * g.width;
-  const int64_t heads = (layout == kFlash || layout == kMla) ? 1 : g.heads;
+  const int64_t heads = g.heads;
   // Non-temporal stores when every line the kernels write is 64-byte aligned: the chunk side (gather) or the
   // cache side (scatter; whole-line tiles start at block offsets that are multiples of 32) is written with
   // no read for ownership. Measured ~1.4x faster gather and scatter than cached stores here (bench_ops.py).
@@ -436,124 +447,201 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
       s0 = s1;
     }
   const int64_t np = static_cast<int64_t>(pieces.size());
-  if (np) {
-    at::parallel_for(0, layers * np, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t layer = item / np;
-        const Segment& seg = pieces[item % np];
-        T* rows = chunk + layer * layer_stride + seg.pos * g.width;
-        for (int64_t h = 0; h < heads; ++h)
-          move_run_head<T, kGather>(isa, stream, layout, g, caches[layer], seg, h, rows, plane_stride);
-      }
+  parallel_items(layers * np, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / np;
+      const Segment& seg = pieces[item % np];
+      T* rows = chunk + layer * layer_stride + seg.pos * g.width;
+      for (int64_t h = 0; h < heads; ++h)
+        move_run_head<T, kGather>(isa, stream, layout, g, caches[layer], seg, h, rows, plane_stride);
+    }
+  }, [&] {
 #if defined(LMCACHE_HAVE_AVX512)
-      if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the call returns
+    if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the call returns
 #endif
-    });
-  }
+  });
   const int64_t ntok = static_cast<int64_t>(plan.tokens.size());
   if (ntok) {
-    at::parallel_for(0, layers * ntok, 16, [&](int64_t begin, int64_t end) {
+    parallel_items(layers * ntok, 16, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t layer = item / ntok, pos = plan.tokens[item % ntok], slot = slots[pos];
         for (int64_t plane = 0; plane < g.planes; ++plane) {
           T* row = chunk + layer * layer_stride + plane * plane_stride + pos * g.width;
           T* cache = caches[layer];
-          if (layout == kFlash || layout == kMla) {
-            T* src = cache + element_offset(layout, g, plane, slot, 0, 0);
-            if (kGather) std::memcpy(row, src, g.width * sizeof(T));
-            else std::memcpy(src, row, g.width * sizeof(T));
-            continue;
-          }
           for (int64_t h = 0; h < g.heads; ++h)
             move_token_head<T, kGather>(layout, g, cache + element_offset(layout, g, plane, slot, h, 0), plane,
                                         row + h * g.dim);
         }
       }
-    });
+    }, [] {});
   }
 }
 
-Geometry check_inputs(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
-                      int64_t layout, int64_t block_size) {
-  TORCH_CHECK(layout >= kVec && layout <= kMla, "_cpu_ops: unknown layout code ", layout);
-  TORCH_CHECK(!caches.empty(), "_cpu_ops: no KV caches given");
-  TORCH_CHECK(chunk.dim() == 4 && chunk.is_contiguous() && chunk.device().is_cpu(),
-              "_cpu_ops: chunk must be a contiguous CPU tensor [layers, planes, T, width], got ", chunk.sizes());
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.device().is_cpu(),
-              "_cpu_ops: slot_mapping must be a contiguous 1-D int64 CPU tensor");
-  TORCH_CHECK(chunk.size(0) == static_cast<int64_t>(caches.size()) && chunk.size(2) == slots.size(0),
-              "_cpu_ops: chunk ", chunk.sizes(), " does not match ", caches.size(), " layers and ", slots.size(0), " slots");
-  const auto& c0 = caches[0];
-  Geometry g{};
-  if (layout == kVec || layout == kAmx) {
-    TORCH_CHECK(c0.dim() == 4 && c0.size(2) == block_size, "_cpu_ops: cpu cache must be [blocks, heads, ", block_size,
-                ", 2*D], got ", c0.sizes());
-    g = {c0.size(0), block_size, c0.size(1), c0.size(3) / 2, 2, c0.size(1) * (c0.size(3) / 2)};
-    if (layout == kAmx)
-      TORCH_CHECK(c0.element_size() == 2 && block_size % 16 == 0 && g.dim % 16 == 0,
-                  "_cpu_ops: amx needs a 2-byte dtype and block/head sizes that are multiples of 16");
-  } else if (layout == kFlash) {
-    TORCH_CHECK(c0.dim() == 5 && c0.size(0) == 2 && c0.size(2) == block_size,
-                "_cpu_ops: flash cache must be [2, blocks, ", block_size, ", heads, D], got ", c0.sizes());
-    g = {c0.size(1), block_size, c0.size(3), c0.size(4), 2, c0.size(3) * c0.size(4)};
-  } else {
-    TORCH_CHECK(c0.dim() == 3 && c0.size(1) == block_size, "_cpu_ops: mla cache must be [blocks, ", block_size,
-                ", dim], got ", c0.sizes());
-    g = {c0.size(0), block_size, 1, c0.size(2), 1, c0.size(2)};
-  }
-  TORCH_CHECK(chunk.size(1) == g.planes && chunk.size(3) == g.width, "_cpu_ops: chunk ", chunk.sizes(),
-              " does not fit planes=", g.planes, " width=", g.width);
-  for (size_t i = 0; i < caches.size(); ++i) {
-    const auto& c = caches[i];
-    TORCH_CHECK(c.sizes() == c0.sizes() && c.scalar_type() == chunk.scalar_type() && c.is_contiguous() && c.device().is_cpu(),
-                "_cpu_ops: cache ", i, " must be a contiguous CPU tensor ", c0.sizes(), " of the chunk's dtype");
-  }
-  const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t limit = g.blocks * g.bs;
+// ---- strided views ----------------------------------------------------------------------------------------
+struct Strided {
+  int64_t blocks, bs, heads, dim, planes, width;  // dim = D (elements per piece), width = heads * D
+  int64_t s_block, s_head, s_token;               // element strides of the [B, H, N, C] view
+};
+
+// Tasks: (layer, strip of kStrip tokens); per token every plane and head is one piece of D elements.
+template <typename T, bool kGather>
+void run_strided(const Strided& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots, int64_t n) {
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  const int64_t strips = (n + kStrip - 1) / kStrip, plane_stride = n * g.width;
+  const size_t piece = static_cast<size_t>(g.dim) * sizeof(T);
+  parallel_items(layers * strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / strips, t0 = (item % strips) * kStrip, t1 = std::min(n, t0 + kStrip);
+      T* layer_chunk = chunk + layer * g.planes * plane_stride;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        T* token = caches[layer] + (slot / g.bs) * g.s_block + (slot % g.bs) * g.s_token;
+        for (int64_t p = 0; p < g.planes; ++p) {
+          T* row = layer_chunk + p * plane_stride + t * g.width;
+          for (int64_t h = 0; h < g.heads; ++h) {
+            T* cell = token + h * g.s_head + p * g.dim;
+            if (kGather) std::memcpy(row + h * g.dim, cell, piece);
+            else std::memcpy(cell, row + h * g.dim, piece);
+          }
+        }
+      }
+    }
+  }, [] {});
+}
+
+// ---- validation: everything is checked here, before any data is touched; nothing throws --------------------
+template <typename... Parts>
+std::string msg(const Parts&... parts) {
+  return lmc_errors::message("_cpu_ops", parts...);
+}
+
+bool same_layout(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type() &&
+         a.device() == b.device();
+}
+
+// The chunk and slot checks every layout shares.
+std::string check_common(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk) {
+  if (caches.empty()) return msg("no KV caches given");
+  for (size_t i = 0; i < caches.size(); ++i)
+    if (!caches[i].defined() || !caches[i].device().is_cpu()) return msg("cache ", i, " must be a CPU tensor");
+  if (!chunk.defined() || chunk.dim() != 4 || !chunk.is_contiguous() || !chunk.device().is_cpu())
+    return msg("chunk must be a contiguous CPU tensor [layers, planes, T, width]");
+  if (!slots.defined() || slots.dim() != 1 || slots.scalar_type() != torch::kInt64 || !slots.is_contiguous() ||
+      !slots.device().is_cpu())
+    return msg("slot_mapping must be a contiguous 1-D int64 CPU tensor");
+  if (chunk.size(0) != static_cast<int64_t>(caches.size()) || chunk.size(2) != slots.size(0))
+    return msg("chunk ", chunk.sizes(), " does not match ", caches.size(), " layers and ", slots.size(0), " slots");
+  if (chunk.scalar_type() != caches[0].scalar_type())
+    return msg("chunk dtype ", chunk.scalar_type(), " differs from the caches' dtype ", caches[0].scalar_type());
+  const int64_t item = chunk.element_size();
+  if (item != 1 && item != 2 && item != 4 && item != 8) return msg("unsupported element size ", item);
+  return "";
+}
+
+std::string check_slots(const torch::Tensor& slots, int64_t limit) {
+  const int64_t* s = static_cast<const int64_t*>(slots.data_ptr());
   for (int64_t i = 0; i < slots.size(0); ++i)
-    TORCH_CHECK(s[i] < limit, "_cpu_ops: slot ", s[i], " beyond the cache's ", limit, " slots");
-  return g;
+    if (s[i] >= limit) return msg("slot ", s[i], " beyond the cache's ", limit, " slots");
+  return "";
+}
+
+std::string check_packed(const std::vector<torch::Tensor>& caches, const torch::Tensor& chunk, int64_t layout,
+                         int64_t block_size, Geometry& g) {
+  const auto& c0 = caches[0];
+  if (c0.dim() != 4 || c0.size(2) != block_size || c0.size(3) % 2)
+    return msg("cpu cache must be [blocks, heads, ", block_size, ", 2*D], got ", c0.sizes());
+  g = {c0.size(0), block_size, c0.size(1), c0.size(3) / 2, 2, c0.size(1) * (c0.size(3) / 2)};
+  if (layout == kAmx && (c0.element_size() != 2 || block_size % 16 || g.dim % 16))
+    return msg("amx needs a 2-byte dtype and block/head sizes that are multiples of 16");
+  if (chunk.size(1) != g.planes || chunk.size(3) != g.width)
+    return msg("chunk ", chunk.sizes(), " does not fit planes=", g.planes, " width=", g.width);
+  for (size_t i = 0; i < caches.size(); ++i)
+    if (!same_layout(caches[i], c0) || !caches[i].is_contiguous())
+      return msg("cache ", i, " must be a contiguous tensor ", c0.sizes(), " like cache 0");
+  return "";
+}
+
+std::string check_strided(const std::vector<torch::Tensor>& caches, const torch::Tensor& chunk, int64_t block_size,
+                          Strided& g) {
+  const auto& c0 = caches[0];
+  if (c0.dim() != 4 || c0.size(2) != block_size)
+    return msg("strided cache must be a [blocks, heads, ", block_size, ", C] view, got ", c0.sizes());
+  if (c0.size(3) > 1 && c0.stride(3) != 1) return msg("the last dim of a strided cache must be contiguous, strides ",
+                                                      c0.strides());
+  const int64_t planes = chunk.size(1), heads = c0.size(1);
+  if ((planes != 1 && planes != 2) || c0.size(3) % planes || chunk.size(3) != heads * (c0.size(3) / planes))
+    return msg("chunk ", chunk.sizes(), " does not fit a [", c0.size(0), ", ", heads, ", ", block_size, ", ", c0.size(3),
+               "] cache (planes 1 or 2, width heads * C / planes)");
+  for (size_t i = 0; i < caches.size(); ++i)
+    if (!same_layout(caches[i], c0)) return msg("cache ", i, " must have cache 0's sizes, strides and dtype");
+  g = {c0.size(0), block_size, heads, c0.size(3) / planes, planes, chunk.size(3), c0.stride(0), c0.stride(1),
+       c0.stride(2)};
+  return "";
 }
 
 template <bool kGather>
-void dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
-              int64_t layout, int64_t block_size) {
-  const Geometry g = check_inputs(caches, slots, chunk, layout, block_size);
-  const Plan plan = make_plan(slots.data_ptr<int64_t>(), slots.size(0), g.bs);
-  const int64_t item = chunk.element_size();
+std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
+                     int64_t layout, int64_t block_size) {
+  if (layout != kVec && layout != kAmx && layout != kStrided) return msg("unknown layout code ", layout);
+  std::string error = check_common(caches, slots, chunk);
+  if (!error.empty()) return error;
+  Geometry g{};
+  Strided sg{};
+  error = layout == kStrided ? check_strided(caches, chunk, block_size, sg) : check_packed(caches, chunk, layout, block_size, g);
+  if (!error.empty()) return error;
+  error = check_slots(slots, layout == kStrided ? sg.blocks * sg.bs : g.blocks * g.bs);
+  if (!error.empty()) return error;
+
+  const int64_t* s = static_cast<const int64_t*>(slots.data_ptr());
+  const int64_t n = slots.size(0);
   auto go = [&](auto tag) {
     using T = decltype(tag);
     std::vector<T*> ptrs;
     for (const auto& c : caches) ptrs.push_back(static_cast<T*>(c.data_ptr()));
-    run<T, kGather>(current_isa(), layout, g, ptrs, static_cast<T*>(chunk.data_ptr()), slots.data_ptr<int64_t>(), slots.size(0), plan);
+    T* out = static_cast<T*>(chunk.data_ptr());
+    if (layout == kStrided) run_strided<T, kGather>(sg, ptrs, out, s, n);
+    else run<T, kGather>(current_isa(), layout, g, ptrs, out, s, n, make_plan(s, n, g.bs));
   };
-  if (item == 1) go(uint8_t{});
-  else if (item == 2) go(uint16_t{});
-  else if (item == 4) go(uint32_t{});
-  else if (item == 8) go(uint64_t{});
-  else TORCH_CHECK(false, "_cpu_ops: unsupported element size ", item);
+  switch (chunk.element_size()) {
+    case 1: go(uint8_t{}); break;
+    case 2: go(uint16_t{}); break;
+    case 4: go(uint32_t{}); break;
+    default: go(uint64_t{}); break;
+  }
+  return "";
 }
 
-void gather(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, torch::Tensor out, int64_t layout,
-            int64_t block_size) {
-  dispatch<true>(caches, slots, out, layout, block_size);
+// The bindings: nothing escapes as a C++ exception (an allocation failure in the plan is reported too).
+std::string gather(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, torch::Tensor out,
+                   int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, out, layout, block_size); });
 }
 
-void scatter(const torch::Tensor& chunk, const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
-             int64_t layout, int64_t block_size) {
-  dispatch<false>(caches, slots, chunk, layout, block_size);
+std::string scatter(const torch::Tensor& chunk, const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                    int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunk, layout, block_size); });
 }
+
+// Raises a c10::Error on purpose: run in a child process, it tells whether C++ exceptions from this extension
+// reach Python on this toolchain (tests/test_ops.py, scripts/check_cuda.sh).
+void throw_for_diagnosis() { TORCH_CHECK(false, "_cpu_ops: diagnostic exception"); }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Multi-layer paged KV gather/scatter by slot mapping (CPU)";
-  m.def("gather", &gather, "paged caches -> chunk [L, planes, T, width]", py::arg("caches"), py::arg("slots"),
-        py::arg("out"), py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
-  m.def("scatter", &scatter, "chunk [L, planes, T, width] -> paged caches", py::arg("chunk"), py::arg("caches"),
-        py::arg("slots"), py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("gather", &gather, "paged caches -> chunk [L, planes, T, width]; returns '' or an error message",
+        py::arg("caches"), py::arg("slots"), py::arg("out"), py::arg("layout"), py::arg("block_size"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("scatter", &scatter, "chunk [L, planes, T, width] -> paged caches; returns '' or an error message",
+        py::arg("chunk"), py::arg("caches"), py::arg("slots"), py::arg("layout"), py::arg("block_size"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kIsaNames[current_isa()]); }, "kernel set in use: avx512, sse2 or scalar");
-  m.def("set_isa", &set_isa, "use kernel set auto|avx512|sse2|scalar (tests and benchmarks); returns the one in use",
-        py::arg("name"));
-  m.attr("SUPPORTED_LAYOUTS") = py::make_tuple(0, 1, 2, 3);
+  m.def("set_isa", &set_isa_checked, "use kernel set auto|avx512|sse2|scalar (tests and benchmarks); returns '' "
+        "or why not", py::arg("name"));
+  m.def("throw_for_diagnosis", &throw_for_diagnosis, "raises a C++ exception (toolchain check, run in a child)");
+  m.attr("SUPPORTED_LAYOUTS") = py::make_tuple(int64_t{kVec}, int64_t{kAmx}, int64_t{kStrided});
+  m.attr("ABI") = kAbi;
 }

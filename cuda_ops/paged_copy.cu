@@ -1,8 +1,11 @@
-// Multi-layer gather (paged KV cache -> chunk) and scatter (chunk -> paged KV cache) by slot mapping for
-// the token-major paged layouts (vLLM flash attention, MLA). One launch moves every layer: blockIdx.y is
-// the layer (its cache address read from a device array of per-layer pointers), blockIdx.x strides over
-// the (plane, token) rows, threads copy a row in the widest unit (16 bytes when every address and the row size allow).
-// Plain CUDA runtime API behind the C ABI of paged_copy.h.
+// Multi-layer gather (paged KV cache -> chunk) and scatter (chunk -> paged KV cache) by slot mapping over
+// vLLM's strided [B, H, N, C] layer views (paged_copy.h). One launch moves every layer: blockIdx.y is
+// (layer, plane), the layer's base address read from a device array of per-layer pointers; the threads of
+// the grid stride over the plane's (token, head, unit) cells, consecutive threads on consecutive units of
+// a head's piece (coalesced on both sides: a piece is head_size elements, 128-1152 bytes). Each thread keeps
+// kUnroll units of 16 bytes (when every address and stride allows) in flight: loads first, then stores.
+// The chunk may be the device alias of pinned host memory: the kernel then reads / writes host memory over
+// PCIe itself, with no staging buffer and no copy-engine call.
 #include "paged_copy.h"
 
 #include <stdio.h>
@@ -22,62 +25,72 @@ int cuda_fail(cudaError_t err, const char* where) {
 }
 
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+constexpr unsigned kMaxBlocksX = 4096;  // enough to fill any current GPU; the grid strides over the rest
 
-// One CUDA block per (plane, token) row at a time; its threads copy the row's vector units.
 template <typename Vec, bool kGather>
-__global__ void paged_copy_kernel(lmc_paged_args a, int64_t units_per_row) {
-  const int64_t layer = blockIdx.y;
-  const uint64_t base = a.layer_ptrs ? a.layer_ptrs[layer] : a.single_layer;
-  Vec* cache = reinterpret_cast<Vec*>(base);
-  Vec* chunk = reinterpret_cast<Vec*>(a.chunk);
-  const int64_t rows_total = a.planes * a.num_tokens;  // rows of this layer in the chunk
-  for (int64_t row = blockIdx.x; row < rows_total; row += gridDim.x) {
-    const int64_t plane = row / a.num_tokens, token = row % a.num_tokens;
-    const int64_t slot = a.slots[token];
-    if (slot < 0 || slot >= a.num_slots) continue;
-    Vec* cache_row = cache + (plane * a.num_slots + slot) * units_per_row;
-    Vec* chunk_row = chunk + ((layer * a.planes + plane) * a.num_tokens + token) * units_per_row;
-    for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) {
-      if (kGather) chunk_row[u] = cache_row[u];
-      else cache_row[u] = chunk_row[u];
+__global__ void __launch_bounds__(kThreads) paged_copy_kernel(lmc_paged_args a, uint32_t units_per_piece) {
+  const int64_t layer = blockIdx.y / a.planes, plane = blockIdx.y % a.planes;
+  const char* base = reinterpret_cast<const char*>(a.layer_ptrs ? a.layer_ptrs[layer] : a.single_layer);
+  const uint32_t per_token = static_cast<uint32_t>(a.heads) * units_per_piece;
+  const uint32_t total = static_cast<uint32_t>(a.num_tokens) * per_token;  // < 2^31: checked by the host
+  Vec* chunk = reinterpret_cast<Vec*>(a.chunk) + static_cast<int64_t>(blockIdx.y) * total;
+  const uint32_t step = gridDim.x * blockDim.x;
+  for (uint32_t first = blockIdx.x * blockDim.x + threadIdx.x; first < total; first += step * kUnroll) {
+    Vec value[kUnroll];
+    Vec* target[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      target[k] = nullptr;
+      const uint32_t i = first + k * step;
+      if (i >= total) continue;
+      const uint32_t token = i / per_token, rest = i - token * per_token;
+      const uint32_t head = rest / units_per_piece, unit = rest - head * units_per_piece;
+      const int64_t slot = a.slots[token];
+      if (slot < 0 || slot >= a.num_slots) continue;
+      Vec* cell = const_cast<Vec*>(reinterpret_cast<const Vec*>(
+                      base + (slot / a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_token +
+                      head * a.stride_head + plane * a.piece_bytes)) + unit;
+      if (kGather) { value[k] = *cell; target[k] = chunk + i; }
+      else { value[k] = chunk[i]; target[k] = cell; }
     }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k)
+      if (target[k]) *target[k] = value[k];
   }
 }
 
 int check(const lmc_paged_args* a) {
   if (!a) return fail("lmc_paged: null arguments");
-  if (a->num_layers <= 0 || a->planes <= 0 || a->planes > 2 || a->row_bytes <= 0 || a->num_slots <= 0 ||
-      a->num_tokens < 0)
-    return fail("lmc_paged: layers, planes (1 or 2), row_bytes and num_slots must be positive");
+  if (a->num_layers <= 0 || a->planes < 1 || a->planes > 2 || a->heads <= 0 || a->block_size <= 0 ||
+      a->num_slots <= 0 || a->piece_bytes <= 0 || a->num_tokens < 0 || a->stride_block < 0 || a->stride_head < 0 ||
+      a->stride_token < 0)
+    return fail("lmc_paged: layers, planes (1 or 2), heads, block_size, num_slots, piece_bytes must be positive");
   if (!a->layer_ptrs && (!a->single_layer || a->num_layers != 1))
     return fail("lmc_paged: give layer_ptrs, or single_layer with num_layers == 1");
   if (a->num_tokens > 0 && (!a->slots || !a->chunk)) return fail("lmc_paged: null slots or chunk");
+  if (a->num_layers * a->planes > 65535) return fail("lmc_paged: more than 65535 (layer, plane) pairs in one launch");
+  if (a->num_tokens * a->heads * a->piece_bytes >= (int64_t{1} << 31))
+    return fail("lmc_paged: more than 2^31 bytes per (layer, plane) in one launch");
   return 0;
 }
 
-// The widest unit that divides the row and aligns every address (cache rows, chunk rows, bases).
-int unit_bytes(const lmc_paged_args* a) {
-  const uint64_t bits = static_cast<uint64_t>(a->row_bytes) | reinterpret_cast<uint64_t>(a->chunk) |
-                        (a->layer_ptrs ? a->bases_or : a->single_layer);
-  for (int unit = 16; unit > 1; unit /= 2)
-    if (bits % unit == 0) return unit;
-  return 1;
-}
-
 template <bool kGather>
-int launch(const lmc_paged_args* a, cudaStream_t stream, int unit) {
+int launch(const lmc_paged_args* a, cudaStream_t stream) {
+  if (int rc = check(a)) return rc;
   if (a->num_tokens == 0) return 0;
-  const int64_t units = a->row_bytes / unit;
-  const int64_t rows = a->planes * a->num_tokens;
-  const int threads = units >= kThreads ? kThreads : static_cast<int>(((units + 31) / 32) * 32);
-  dim3 grid(static_cast<unsigned>(rows < 65535 ? rows : 65535), static_cast<unsigned>(a->num_layers));
-  if (a->num_layers > 65535) return fail("lmc_paged: more than 65535 layers in one launch");
+  const int unit = lmc_paged_unit_bytes(a);
+  const uint32_t units = static_cast<uint32_t>(a->piece_bytes / unit);
+  const uint64_t total = static_cast<uint64_t>(a->num_tokens) * a->heads * units;
+  const uint64_t wanted = (total + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  dim3 grid(static_cast<unsigned>(wanted < kMaxBlocksX ? wanted : kMaxBlocksX),
+            static_cast<unsigned>(a->num_layers * a->planes));
   switch (unit) {
-    case 16: paged_copy_kernel<uint4, kGather><<<grid, threads, 0, stream>>>(*a, units); break;
-    case 8: paged_copy_kernel<uint2, kGather><<<grid, threads, 0, stream>>>(*a, units); break;
-    case 4: paged_copy_kernel<uint32_t, kGather><<<grid, threads, 0, stream>>>(*a, units); break;
-    case 2: paged_copy_kernel<uint16_t, kGather><<<grid, threads, 0, stream>>>(*a, units); break;
-    default: paged_copy_kernel<uint8_t, kGather><<<grid, threads, 0, stream>>>(*a, units); break;
+    case 16: paged_copy_kernel<uint4, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
+    case 8: paged_copy_kernel<uint2, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
+    case 4: paged_copy_kernel<uint32_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
+    case 2: paged_copy_kernel<uint16_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
+    default: paged_copy_kernel<uint8_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
   }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : cuda_fail(err, "lmc_paged: kernel launch");
@@ -87,40 +100,24 @@ int launch(const lmc_paged_args* a, cudaStream_t stream, int unit) {
 
 extern "C" {
 
-int lmc_paged_gather(const lmc_paged_args* a, cudaStream_t stream) {
-  if (int rc = check(a)) return rc;
-  return launch<true>(a, stream, unit_bytes(a));
+int lmc_paged_unit_bytes(const lmc_paged_args* a) {
+  // Every address a unit is read from or written to is a sum of these: all must be multiples of the unit.
+  const uint64_t bits = static_cast<uint64_t>(a->piece_bytes) | static_cast<uint64_t>(a->stride_block) |
+                        static_cast<uint64_t>(a->stride_head) | static_cast<uint64_t>(a->stride_token) |
+                        reinterpret_cast<uint64_t>(a->chunk) | (a->layer_ptrs ? a->bases_or : a->single_layer);
+  for (int unit = 16; unit > 1; unit /= 2)
+    if (bits % unit == 0) return unit;
+  return 1;
 }
 
-int lmc_paged_scatter(const lmc_paged_args* a, cudaStream_t stream) {
-  if (int rc = check(a)) return rc;
-  return launch<false>(a, stream, unit_bytes(a));
-}
+int lmc_paged_gather(const lmc_paged_args* a, cudaStream_t stream) { return launch<true>(a, stream); }
 
-int lmc_paged_gather_staged(const lmc_paged_args* a, void* staging, void* host_dst, cudaStream_t stream) {
-  if (!a || !staging || !host_dst) return fail("lmc_paged_gather_staged: null argument");
-  lmc_paged_args staged = *a;
-  staged.chunk = staging;
-  if (int rc = lmc_paged_gather(&staged, stream)) return rc;
-  const size_t bytes = static_cast<size_t>(a->num_layers * a->planes * a->num_tokens * a->row_bytes);
-  cudaError_t err = cudaMemcpyAsync(host_dst, staging, bytes, cudaMemcpyDeviceToHost, stream);
-  return err == cudaSuccess ? 0 : cuda_fail(err, "lmc_paged_gather_staged: copy to host");
-}
-
-int lmc_paged_scatter_staged(const lmc_paged_args* a, void* staging, const void* host_src, cudaStream_t stream) {
-  if (!a || !staging || !host_src) return fail("lmc_paged_scatter_staged: null argument");
-  const size_t bytes = static_cast<size_t>(a->num_layers * a->planes * a->num_tokens * a->row_bytes);
-  cudaError_t err = cudaMemcpyAsync(staging, host_src, bytes, cudaMemcpyHostToDevice, stream);
-  if (err != cudaSuccess) return cuda_fail(err, "lmc_paged_scatter_staged: copy from host");
-  lmc_paged_args staged = *a;
-  staged.chunk = staging;
-  return lmc_paged_scatter(&staged, stream);
-}
+int lmc_paged_scatter(const lmc_paged_args* a, cudaStream_t stream) { return launch<false>(a, stream); }
 
 void* lmc_mapped_device_pointer(void* host_ptr) {
   void* device_ptr = nullptr;
   if (cudaHostGetDevicePointer(&device_ptr, host_ptr, 0) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later calls do not see it
+    cudaGetLastError();  // clear the error so later calls do not see it
     return nullptr;
   }
   return device_ptr;

@@ -5,10 +5,13 @@ built from `cuda_ops/`) when present, the layouts' torch code otherwise.
 choice per device type is logged once. `LMCACHE_VLLM_OPS=torch` (or `set_mode("torch")`, or the
 `forced_torch()` context) makes every layout use torch. Both paths give bit-identical results.
 
-Extension calls (all layers of a chunk in one call; slots < 0 skipped):
+Extension calls (all layers of a chunk in one call; slots < 0 skipped), through `transfer`:
   ext.gather(caches: list[Tensor], slots: LongTensor[T], out: Tensor[L, planes, T, width], op_code, block_size)
   ext.scatter(chunk: Tensor[L, planes, T, width], caches: list[Tensor], slots, op_code, block_size)
-op_code: 0 cpu vec, 1 cpu amx, 2 flash, 3 mla (see `lmcache_vllm.layouts`).
+Both return "" on success and an error message otherwise: no C++ exception ever crosses into Python, so a
+bad input cannot crash the process even where exceptions do not unwind across the extension boundary.
+op_code: 0 cpu vec, 1 cpu amx, 4 strided `[B, H, N, C]` views (see `lmcache_vllm.layouts`). An extension
+built from older sources (`ABI` below `ABI_VERSION`) is ignored with a warning: rebuild it.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ if _mode not in _MODES:
     logger.warning("LMCACHE_VLLM_OPS=%r is not one of %s; using 'auto'", _mode, _MODES)
     _mode = "auto"
 
+ABI_VERSION = 2  # the calling convention above; cuda_ops/*.cpp export it as `ABI`
 _loaded: dict[str, ModuleType | None] = {}
 _logged: set[str] = set()
 
@@ -36,10 +40,16 @@ _logged: set[str] = set()
 def _load(name: str) -> ModuleType | None:
     if name not in _loaded:
         try:
-            _loaded[name] = importlib.import_module(f"lmcache_vllm.{name}")
+            module = importlib.import_module(f"lmcache_vllm.{name}")
         except (ImportError, OSError) as exc:  # not built, or built against another torch
             logger.debug("lmcache_vllm.%s not available: %s", name, exc)
-            _loaded[name] = None
+            module = None
+        if module is not None and getattr(module, "ABI", 0) != ABI_VERSION:
+            logger.warning("lmcache_vllm.%s was built from other sources (ABI %s, expected %s): ignored; "
+                           "rebuild with `python setup.py build_ext --inplace`", name,
+                           getattr(module, "ABI", 0), ABI_VERSION)
+            module = None
+        _loaded[name] = module
     return _loaded[name]
 
 
@@ -89,6 +99,15 @@ def compiled_for(device: torch.device, op_code: int | None) -> ModuleType | None
         logger.info("KV transfer on %s uses %s", device.type,
                     "the compiled op" if ext is not None else f"the torch fallback (mode {_mode})")
     return ext
+
+
+def transfer(ext: ModuleType, gather: bool, caches, slots: torch.Tensor, chunk: torch.Tensor, op_code: int,
+             block_size: int) -> str:
+    """Runs one compiled gather (caches -> chunk) or scatter (chunk -> caches); returns the op's error
+    message, "" on success."""
+    if gather:
+        return ext.gather(caches, slots, chunk, op_code, block_size)
+    return ext.scatter(chunk, caches, slots, op_code, block_size)
 
 
 def describe() -> dict[str, object]:

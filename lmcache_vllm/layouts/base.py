@@ -63,6 +63,12 @@ class SlotPlan:
     block_runs: tuple[tuple[int, int, int], ...]
     token_pos: torch.Tensor
     token_slots: torch.Tensor
+    num_valid: int = 0  # slots >= 0
+
+    @property
+    def has_holes(self) -> bool:
+        """Whether some rows have no valid slot (slot < 0): a gather must leave them as they are."""
+        return self.num_valid < self.num_tokens
 
 
 def plan_slots(slots: torch.Tensor, block_size: int) -> SlotPlan:
@@ -89,7 +95,7 @@ def plan_slots(slots: torch.Tensor, block_size: int) -> SlotPlan:
                 else:
                     runs.append((pos, block, 1))
     token_pos = ((~covered) & (slots >= 0)).nonzero().flatten()
-    return SlotPlan(num_tokens, tuple(runs), token_pos, slots[token_pos])
+    return SlotPlan(num_tokens, tuple(runs), token_pos, slots[token_pos], int((slots >= 0).sum()))
 
 
 class PagedKVLayout(ABC):
@@ -100,8 +106,9 @@ class PagedKVLayout(ABC):
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
-        # (slot mapping, its plan) of the last call, replaced as one tuple so threads never see a mixed pair.
-        self._last_plan: tuple[torch.Tensor, SlotPlan] | None = None
+        # (slot mapping, its plan, the slots on the caches' device, the stream that copied them there) of the
+        # last call, replaced as one tuple so threads never see a mixed set.
+        self._last_plan: tuple[torch.Tensor, SlotPlan | None, torch.Tensor, object] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.geometry})"
@@ -136,89 +143,105 @@ class PagedKVLayout(ABC):
         """Writes values [planes, len(slots), width] into the given valid slots."""
 
     # ---- public API ------------------------------------------------------------------------------
+    # Slot mappings are expected on the CPU (vLLM's block ids are host data): they are checked there, and
+    # moved to a GPU only through pinned memory, asynchronously. A GPU slot mapping is accepted, at the cost
+    # of a copy to the host.
     def gather(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
-        """Copies the slots' KV of every layer into `out` (`chunk_shape(len(slot_mapping))`)."""
+        """Copies the slots' KV of every layer into `out` (`chunk_shape(len(slot_mapping))`).
+
+        On a GPU the copy is only enqueued on the current stream: `out` (host memory) holds the KV once
+        that stream has passed this point (`streams.Fence`)."""
         caches = self._check_caches(kv_caches)
-        slots = self._check_slots(slot_mapping, caches[0].device)
+        slots = self._check_slots(slot_mapping)
         self._check_chunk(out, slots.numel(), self.num_layers, "out")
-        ext = ops.compiled_for(caches[0].device, self.op_code)
-        if ext is not None:
-            ext.gather(caches, slots, out, self.op_code, self.geometry.block_size)
-            return
-        plan = self._plan_for(slots)
-        staged = out if out.device == caches[0].device else torch.empty_like(out, device=caches[0].device)
-        for layer, cache in enumerate(caches):
-            self._gather_planned(cache, plan, staged[layer])
-        if staged is not out:
-            out.copy_(staged)
+        self._transfer(True, caches, slots, out)
 
     def scatter(self, chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-        """Copies every layer of `chunk` into the slots of the paged caches."""
+        """Copies every layer of `chunk` into the slots of the paged caches (on a GPU: enqueued on the
+        current stream; `chunk` must stay untouched until the stream has passed this point)."""
         caches = self._check_caches(kv_caches)
-        slots = self._check_slots(slot_mapping, caches[0].device)
+        slots = self._check_slots(slot_mapping)
         self._check_chunk(chunk, slots.numel(), self.num_layers, "chunk")
-        ext = ops.compiled_for(caches[0].device, self.op_code)
-        if ext is not None:
-            ext.scatter(chunk, caches, slots, self.op_code, self.geometry.block_size)
-            return
-        plan = self._plan_for(slots)
-        chunk = chunk.to(caches[0].device, non_blocking=True)
-        for layer, cache in enumerate(caches):
-            self._scatter_planned(chunk[layer], cache, plan)
+        self._transfer(False, caches, slots, chunk)
 
     def gather_layer(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      out_layer: torch.Tensor) -> None:
         """One layer of `gather`: out_layer is `chunk_shape(T)[1:]`."""
         self._check_layer_index(layer)
         cache = self._check_caches([kv_cache])[0]
-        slots = self._check_slots(slot_mapping, cache.device)
+        slots = self._check_slots(slot_mapping)
         self._check_chunk(out_layer.unsqueeze(0), slots.numel(), 1, "out_layer")
-        ext = ops.compiled_for(cache.device, self.op_code)
-        if ext is not None:
-            ext.gather([cache], slots, out_layer.unsqueeze(0), self.op_code, self.geometry.block_size)
-            return
-        staged = out_layer if out_layer.device == cache.device else torch.empty_like(out_layer, device=cache.device)
-        self._gather_planned(cache, self._plan_for(slots), staged)
-        if staged is not out_layer:
-            out_layer.copy_(staged)
+        self._transfer(True, [cache], slots, out_layer.unsqueeze(0))
 
     def scatter_layer(self, chunk_layer: torch.Tensor, layer: int, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
         """One layer of `scatter`: chunk_layer is `chunk_shape(T)[1:]`."""
         self._check_layer_index(layer)
         cache = self._check_caches([kv_cache])[0]
-        slots = self._check_slots(slot_mapping, cache.device)
+        slots = self._check_slots(slot_mapping)
         self._check_chunk(chunk_layer.unsqueeze(0), slots.numel(), 1, "chunk_layer")
-        ext = ops.compiled_for(cache.device, self.op_code)
-        if ext is not None:
-            ext.scatter(chunk_layer.unsqueeze(0), [cache], slots, self.op_code, self.geometry.block_size)
-            return
-        self._scatter_planned(chunk_layer.to(cache.device, non_blocking=True), cache, self._plan_for(slots))
+        self._transfer(False, [cache], slots, chunk_layer.unsqueeze(0))
 
     # ---- internals -------------------------------------------------------------------------------
-    def _gather_planned(self, cache: torch.Tensor, plan: SlotPlan, out_layer: torch.Tensor) -> None:
-        bs = self.geometry.block_size
-        for pos, block, count in plan.block_runs:
-            self._gather_blocks(cache, block, count, out_layer[:, pos:pos + count * bs])
-        if plan.token_pos.numel():
-            out_layer.index_copy_(1, plan.token_pos, self._gather_tokens(cache, plan.token_slots))
+    def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor) -> None:
+        device = caches[0].device
+        ext = ops.compiled_for(device, self.op_code)
+        if ext is not None and chunk.device.type == "cpu" and device.type != "cpu" and not chunk.is_pinned():
+            ext = None  # the kernels reach host memory only through a pinned chunk's device alias
+        plan, device_slots = self._plan_for(slots, device, need_plan=ext is None)
+        if ext is not None:
+            error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
+            if error:
+                raise LayoutError(f"{self.name}: {error}")
+            return
+        pos, token_slots = plan.token_pos.to(device), device_slots.index_select(0, plan.token_pos.to(device))
+        if gather:
+            staged = chunk
+            if chunk.device != device:
+                # Rows of skipped slots keep their contents: start from the chunk's own bytes then.
+                staged = chunk.to(device) if plan.has_holes else torch.empty(chunk.shape, dtype=chunk.dtype,
+                                                                             device=device)
+            for cache, out_layer in zip(caches, staged):
+                self._gather_planned(cache, plan, pos, token_slots, out_layer)
+            if staged is not chunk:
+                chunk.copy_(staged, non_blocking=True)
+        else:
+            chunk = chunk.to(device, non_blocking=True)
+            for cache, chunk_layer in zip(caches, chunk):
+                self._scatter_planned(chunk_layer, cache, plan, pos, token_slots)
 
-    def _scatter_planned(self, chunk_layer: torch.Tensor, cache: torch.Tensor, plan: SlotPlan) -> None:
+    def _gather_planned(self, cache: torch.Tensor, plan: SlotPlan, pos: torch.Tensor, token_slots: torch.Tensor,
+                        out_layer: torch.Tensor) -> None:
         bs = self.geometry.block_size
-        for pos, block, count in plan.block_runs:
-            self._scatter_blocks(chunk_layer[:, pos:pos + count * bs], cache, block, count)
-        if plan.token_pos.numel():
-            self._scatter_tokens(chunk_layer.index_select(1, plan.token_pos), cache, plan.token_slots)
+        for start, block, count in plan.block_runs:
+            self._gather_blocks(cache, block, count, out_layer[:, start:start + count * bs])
+        if pos.numel():
+            out_layer.index_copy_(1, pos, self._gather_tokens(cache, token_slots))
 
-    def _plan_for(self, slots: torch.Tensor) -> SlotPlan:
-        # Layerwise callers pass the same mapping once per layer: reuse the plan when the contents match.
+    def _scatter_planned(self, chunk_layer: torch.Tensor, cache: torch.Tensor, plan: SlotPlan, pos: torch.Tensor,
+                         token_slots: torch.Tensor) -> None:
+        bs = self.geometry.block_size
+        for start, block, count in plan.block_runs:
+            self._scatter_blocks(chunk_layer[:, start:start + count * bs], cache, block, count)
+        if pos.numel():
+            self._scatter_tokens(chunk_layer.index_select(1, pos), cache, token_slots)
+
+    def _plan_for(self, slots: torch.Tensor, device: torch.device,
+                  need_plan: bool) -> tuple[SlotPlan | None, torch.Tensor]:
+        """The plan of `slots` (torch path) and the slots on `device`. Layerwise callers pass the same
+        mapping once per layer: both are reused while the contents (and, on a GPU, the stream) match."""
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         last = self._last_plan
-        if last is not None and last[0].shape == slots.shape and last[0].device == slots.device \
-                and torch.equal(last[0], slots):
-            return last[1]
-        plan = plan_slots(slots, self.geometry.block_size)
-        self._last_plan = (slots.clone(), plan)
-        return plan
+        if last is not None and last[0].shape == slots.shape and last[2].device == device and last[3] == stream \
+                and torch.equal(last[0], slots) and (last[1] is not None or not need_plan):
+            return last[1], last[2]
+        plan = plan_slots(slots, self.geometry.block_size) if need_plan else None
+        if device.type == "cpu":
+            on_device = slots
+        else:  # through pinned memory, without waiting: the stream orders the copy before the kernels
+            on_device = slots.pin_memory().to(device, non_blocking=True)
+        self._last_plan = (slots.clone(), plan, on_device, stream)
+        return plan, on_device
 
     def _check_layer_index(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -226,23 +249,28 @@ class PagedKVLayout(ABC):
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         caches = list(kv_caches)
-        expected = self.expected_cache_shape()
         for i, cache in enumerate(caches):
-            if tuple(cache.shape) != expected or cache.dtype != self.geometry.dtype:
-                raise LayoutError(f"{self.name}: kv cache {i} is {tuple(cache.shape)} {cache.dtype}, "
-                                  f"expected {expected} {self.geometry.dtype}")
-            if not cache.is_contiguous():
-                raise LayoutError(f"{self.name}: kv cache {i} is not contiguous (strides {cache.stride()})")
+            self._check_cache(i, cache)
             if cache.device != caches[0].device:
                 raise LayoutError(f"{self.name}: kv caches are on different devices")
         return caches
 
-    def _check_slots(self, slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _check_cache(self, index: int, cache: torch.Tensor) -> None:
+        """Raises `LayoutError` unless `cache` is a layer cache this layout was made for."""
+        expected = self.expected_cache_shape()
+        if tuple(cache.shape) != expected or cache.dtype != self.geometry.dtype:
+            raise LayoutError(f"{self.name}: kv cache {index} is {tuple(cache.shape)} {cache.dtype}, "
+                              f"expected {expected} {self.geometry.dtype}")
+        if not cache.is_contiguous():
+            raise LayoutError(f"{self.name}: kv cache {index} is not contiguous (strides {cache.stride()})")
+
+    def _check_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The slot mapping as a contiguous int64 CPU tensor, every slot < the cache's slots."""
         if slot_mapping.dim() != 1:
             raise LayoutError(f"{self.name}: slot_mapping must be 1-D, got shape {tuple(slot_mapping.shape)}")
         if slot_mapping.dtype not in (torch.int64, torch.int32):
             raise LayoutError(f"{self.name}: slot_mapping must be int64, got {slot_mapping.dtype}")
-        slots = slot_mapping.to(device=device, dtype=torch.int64).contiguous()
+        slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
         if slots.numel() and int(slots.max()) >= self.geometry.num_slots:
             raise LayoutError(f"{self.name}: slot {int(slots.max())} beyond the cache's "
                               f"{self.geometry.num_slots} slots")

@@ -49,37 +49,17 @@ _LOADING_ROLES = ("kv_both", "kv_consumer")
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
-def _attention_hints(vllm_config: "VllmConfig", layer_name: str) -> dict[str, Any]:
-    """What vLLM knows about the layer's KV layout: the CPU attention isa, the backend's name."""
-    hints: dict[str, Any] = {}
-    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
-    isa = getattr(layer, "isa", None)
-    if isinstance(isa, str):
-        hints["cpu_isa"] = isa
-    try:
-        hints["backend_hint"] = layer.get_attn_backend().get_name()
-    except Exception:  # not every layer type exposes its backend; the shape decides then
-        pass
-    return hints
-
-
-def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig",
-                       kv_caches: dict[str, torch.Tensor], rank: int, world_size: int):
+def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor],
+                       rank: int, world_size: int, kv_cache_config: "KVCacheConfig | None" = None):
     """The `CacheEngine` for one worker rank, keyed by model, KV dtype, TP world size and rank."""
     from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.layouts import detect_layout
+    from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.storage.codec import FORMAT_VERSION
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
     model_config = vllm_config.model_config
     caches = list(kv_caches.values())
-    layout = detect_layout(
-        caches,
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=model_config.get_head_size(),
-        **_attention_hints(vllm_config, next(iter(kv_caches))),
-    )
+    layout = layout_for(vllm_config, kv_cache_config, kv_caches)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
     keys = KeyBuilder(model=str(model_config.model), world_size=world_size, rank=rank,
                       kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher)
@@ -125,7 +105,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             config = self.config
             self._worker = WorkerHalf(
                 engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,
-                                                                 world_size),
+                                                                 world_size, kv_cache_config),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
                 async_save=self.config.extra_config.async_save,
                 lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None,
