@@ -8,7 +8,9 @@
    order. Store = one copy out of the paged cache (plus hashing, allocation, indexing), retrieve = one copy
    back in; so store+retrieve is compared with two plain torch copies of the same number of bytes measured
    in the same run: `l1_store_retrieve_vs_copy_ratio = 2 * t_copy / (t_store + t_retrieve)` (1.0 = as fast
-   as memcpy).
+   as memcpy). Where a GPU and `lmcache_vllm._cuda_ops` are present, the same through a pinned L1 arena
+   from vLLM's FLASH_ATTN views (LBNHC, block 16) on the GPU, against a raw pinned copy each way
+   (`cuda_l1_*` keys).
 3. L1 storage tier alone: StorageManager put (allocate + copy a chunk in + index) and get (lookup + copy
    out), in GB/s.
 With `--vs-lmcache PYTHON` the peer script runs under that interpreter (LMCache 0.5.6, see
@@ -27,6 +29,7 @@ from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.testing.kv_views import KVViewCase, kv_views
 from lmcache_vllm.tokens import SUPPORTED_HASH_ALGORITHMS, ChunkHasher, KeyBuilder
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, CHUNK = 32, 8, 128, 128, 256
@@ -148,6 +151,75 @@ def bench_engine(num_chunks: int, repeats: int, results: dict, isa: str = "vec")
                 ("operation", "ms", "GB/s", "ratio vs copy"))
 
 
+def bench_engine_cuda(num_chunks: int, repeats: int, results: dict) -> None:
+    """Engine store / retrieve between vLLM's FLASH_ATTN views on a GPU and the pinned L1 arena, against a
+    raw pinned copy (cudaMemcpyAsync) of the same bytes each way, measured in the same run."""
+    from lmcache_vllm import ops
+    if not torch.cuda.is_available() or ops.cuda_ext() is None:
+        print("\nCacheEngine L1 on CUDA: skipped (no GPU or lmcache_vllm._cuda_ops not built)")
+        return
+    dev = torch.device("cuda")
+    gpu_block = 16
+    num_tokens = num_chunks * CHUNK
+    case = KVViewCase(layout="LBNHC", num_layers=LAYERS, num_blocks=num_tokens // gpu_block + 8,
+                      block_size=gpu_block, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    src, dst = kv_views(case, dev), kv_views(case, dev)
+    raw = torch.empty(0, dtype=torch.uint8, device=dev).set_(src[0].untyped_storage())
+    raw.copy_(torch.randint(0, 100, raw.shape, dtype=torch.uint8, device=dev))
+    gen = torch.Generator().manual_seed(SEED + 1)
+    blocks = torch.randperm(case.num_blocks, generator=gen)[: num_tokens // gpu_block]
+    pos = torch.arange(num_tokens)
+    slots = blocks[pos // gpu_block] * gpu_block + pos % gpu_block
+    tokens = token_ids(num_tokens).tolist()
+    chunk_bytes = LAYERS * 2 * CHUNK * KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+    total = num_chunks * chunk_bytes
+    config = load_config({"chunk_size": CHUNK, "max_local_cpu_size": (total + 64 * MiB) / GiB}, environ={})
+    layout = detect_layout(src, **case.describe())
+    keys = KeyBuilder("bench/model", 1, 0, DTYPE, 1, ChunkHasher(CHUNK, config.pre_caching_hash_algorithm))
+    engine = CacheEngine(config, layout, keys)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    device_bytes = torch.empty(total, dtype=torch.uint8, device=dev)
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    try:
+        assert engine.store(tokens, src, slots) == num_tokens
+        engine.retrieve(tokens, dst, slots)
+        torch.cuda.synchronize()
+        if not all(torch.equal(a[blocks], b[blocks]) for a, b in zip(src, dst)):
+            raise RuntimeError("engine round trip on CUDA did not reproduce the paged KV")
+        ops_ = {"d2h_copy": (synced(lambda: host.copy_(device_bytes, non_blocking=True)), None),
+                "h2d_copy": (synced(lambda: device_bytes.copy_(host, non_blocking=True)), None),
+                "store": (synced(lambda: engine.store(tokens, src, slots)), engine.clear),
+                "retrieve": (synced(lambda: engine.retrieve(tokens, dst, slots)), None)}
+        best = {name: float("inf") for name in ops_}
+        for round_ in range(repeats + 1):
+            for name, (fn, setup) in ops_.items():
+                seconds = best_of(fn, 1, warmup=0, setup=setup)
+                if round_:
+                    best[name] = min(best[name], seconds)
+    finally:
+        engine.close()
+    store_ratio, retrieve_ratio = best["d2h_copy"] / best["store"], best["h2d_copy"] / best["retrieve"]
+    results.update(cuda_device=torch.cuda.get_device_name(), cuda_l1_store_gbps=gbps(total, best["store"]),
+                   cuda_l1_retrieve_gbps=gbps(total, best["retrieve"]),
+                   cuda_pinned_d2h_gbps=gbps(total, best["d2h_copy"]),
+                   cuda_pinned_h2d_gbps=gbps(total, best["h2d_copy"]),
+                   cuda_l1_store_vs_pinned_copy_ratio=store_ratio,
+                   cuda_l1_retrieve_vs_pinned_copy_ratio=retrieve_ratio)
+    print_table(f"CacheEngine L1 on {torch.cuda.get_device_name()}, {num_chunks} chunks x {chunk_bytes // MiB} MiB "
+                f"(LBNHC views, block {gpu_block}, pinned arena)",
+                [("store (GPU -> L1)", gbps(total, best["store"]), store_ratio),
+                 ("retrieve (L1 -> GPU)", gbps(total, best["retrieve"]), retrieve_ratio),
+                 ("raw pinned D2H copy", gbps(total, best["d2h_copy"]), 1.0),
+                 ("raw pinned H2D copy", gbps(total, best["h2d_copy"]), 1.0)],
+                ("operation", "GB/s", "ratio vs raw copy"))
+
+
 def bench_storage_l1(num_chunks: int, repeats: int, results: dict) -> None:
     """The L1 tier alone, same protocol as the LMCache peer: put = allocate + copy in + index,
     get = lookup + copy out."""
@@ -224,6 +296,7 @@ def main() -> None:
     bench_hashing(num_prompts, prompt_tokens, repeats * 3, results)
     bench_engine(num_chunks, repeats, results, "vec")
     bench_engine(num_chunks, repeats, results, "amx")
+    bench_engine_cuda(num_chunks * 4, repeats, results)
     bench_storage_l1(num_chunks, repeats, results)
     if args.vs_lmcache:
         compare_with_lmcache(args.vs_lmcache, num_prompts, prompt_tokens, num_chunks, repeats, results)

@@ -3,6 +3,11 @@
 It knows tokens → chunk keys (`tokens.KeyBuilder`) and paged layout → stored chunk
 (`layouts.PagedKVLayout`); it knows nothing of vLLM. Prefix semantics: a chunk is only useful if every
 chunk before it is present, so lookups and retrievals stop at the first miss.
+
+On a GPU the layout's copies are only enqueued on the current stream (`layouts.streams`): a store waits for
+its gathers (one fence per call, on the calling thread) before it publishes the chunks, and a retrieve hands
+the chunks it read back to storage only once the stream has passed its scatters (`DeferredRelease`), so an
+arena range is never reused while a copy may still read it. On the CPU both happen at once.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 from lmcache_vllm import metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
+from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.extra_keys import ExtraKeys
@@ -49,6 +55,10 @@ def _as_bool_mask(mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
     return mask
 
 
+def _device(kv_caches: Sequence[torch.Tensor]) -> torch.device:
+    return kv_caches[0].device if len(kv_caches) else torch.device("cpu")
+
+
 def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
     slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.long).flatten()
     if slot_mapping.numel() < num_tokens:
@@ -71,6 +81,7 @@ class CacheEngine:
         self.keys = key_builder
         self._owns_storage = storage is None
         self.storage = storage if storage is not None else StorageManager(config)
+        self._releases = DeferredRelease()  # chunks read by copies still in flight on a GPU
 
     # ------------------------------------------------------------------ helpers
     def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
@@ -137,20 +148,25 @@ class CacheEngine:
               extra: ExtraKeys | None = None) -> int:
         """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored.
         `extra`: the request's extra keys (see `extra_keys.py`); every method here takes them."""
+        self._releases.reap()
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         stored = 0
-        for chunk in self._store_chunks(tokens, mask, extra):
-            obj = self._allocate(chunk)
-            if obj is None:
-                break
-            try:
+        gathered: list[tuple[_Chunk, MemoryObj]] = []
+        try:
+            for chunk in self._store_chunks(tokens, mask, extra):
+                obj = self._allocate(chunk)
+                if obj is None:
+                    break
+                gathered.append((chunk, obj))
                 self.layout.gather(kv_caches, slot_mapping[chunk.start:chunk.end], obj.tensor)
+            Fence.record(_device(kv_caches)).wait()  # the chunks hold the KV now (a GPU enqueued the gathers)
+            for chunk, obj in gathered:
                 self.storage.put(chunk.key, obj)
                 stored += chunk.num_tokens
-            finally:
-                obj.ref_down()
+        finally:
+            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for _, obj in gathered])
         metrics.inc("stored_tokens", stored)
         return stored
 
@@ -161,14 +177,14 @@ class CacheEngine:
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         loaded = torch.zeros(num_tokens, dtype=torch.bool)
+        self._releases.reap()
         plan = self._plan_retrieve(tokens, mask, extra)
         try:
             for chunk, obj in zip(plan.chunks, plan.objs):
                 self.layout.scatter(obj.tensor, kv_caches, self._masked_slots(slot_mapping, mask, chunk))
                 loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
-        finally:
-            for obj in plan.objs:
-                obj.ref_down()
+        finally:  # the chunks go back once the (GPU) stream has read them
+            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
         metrics.inc("loaded_tokens", int(loaded.sum()))
         return loaded
 
@@ -195,6 +211,7 @@ class CacheEngine:
                     self.layout.gather_layer(layer, kv_caches[layer], slot_mapping[chunk.start:chunk.end],
                                              obj.tensor[layer])
                 yield layer
+            Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
             stored = 0
             for chunk, obj in zip(chunks, objs):
                 self.storage.put(chunk.key, obj)
@@ -202,8 +219,7 @@ class CacheEngine:
             metrics.inc("stored_tokens", stored)
             return stored
         finally:
-            for obj in objs:
-                obj.ref_down()
+            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
 
     def retrieve_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
                        mask=None, extra: ExtraKeys | None = None) -> Generator[torch.Tensor | int, None, None]:
@@ -226,8 +242,7 @@ class CacheEngine:
                     self.layout.scatter_layer(obj.tensor[layer], layer, kv_caches[layer], chunk_slots)
                 yield layer
         finally:
-            for obj in plan.objs:
-                obj.ref_down()
+            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
 
     def prefetch(self, tokens, extra: ExtraKeys | None = None):
         """Starts moving the available prefix of `tokens` from slower tiers into L1; returns a handle
@@ -238,5 +253,6 @@ class CacheEngine:
         self.storage.clear()
 
     def close(self) -> None:
+        self._releases.drain()
         if self._owns_storage:
             self.storage.close()

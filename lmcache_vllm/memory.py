@@ -1,7 +1,8 @@
 """Host memory for cached KV chunks: one arena, an allocator over it, and ref/pin-counted objects.
 
-`HostAllocator` allocates a single flat uint8 tensor once, starting on a page (pinned when CUDA is
-present, so that host<->device copies can be asynchronous; otherwise, when asked, populated at once or
+`HostAllocator` allocates a single flat uint8 tensor once, starting on a page (when CUDA is present: an
+mmap of exactly that size registered with cudaHostRegister, see `pinned.py`, so that host<->device copies
+are asynchronous and nothing is rounded to a power of two; otherwise, when asked, populated at once or
 in the background, see `prefault.py`) and hands out `MemoryObj` regions of it of exactly the size
 asked for (offsets aligned to 64 bytes, objects of 64 KiB or more reserved in whole pages; no
 power-of-two rounding). Free space is kept as sorted free blocks, coalesced on free; a best-fit search
@@ -33,6 +34,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from lmcache_vllm.pinned import pinned_arena
 from lmcache_vllm.prefault import MODES as PREFAULT_MODES
 from lmcache_vllm.prefault import ArenaPrefaulter
 
@@ -129,11 +131,15 @@ class HostAllocator:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self._capacity = _align_up(capacity_bytes)
-        self.pinned_arena = bool(pin_memory)
-        # One page more than needed, so that the arena itself can start on a page boundary.
-        raw = torch.empty(self._capacity + PAGE, dtype=torch.uint8, pin_memory=self.pinned_arena)
-        skip = -raw.data_ptr() % PAGE
-        self.arena = raw[skip:skip + self._capacity]
+        if pin_memory:
+            # Exactly the capacity (to a page), registered with CUDA; pageable if registration fails.
+            self.arena, self.pinned_arena = pinned_arena(self._capacity)
+        else:
+            self.pinned_arena = False
+            # One page more than needed, so that the arena itself can start on a page boundary.
+            raw = torch.empty(self._capacity + PAGE, dtype=torch.uint8)
+            skip = -raw.data_ptr() % PAGE
+            self.arena = raw[skip:skip + self._capacity]
         # Pinned memory is resident already; pageable memory is populated as `prefault` says.
         if prefault not in PREFAULT_MODES:
             raise ValueError(f"prefault={prefault!r}: expected one of {PREFAULT_MODES}")

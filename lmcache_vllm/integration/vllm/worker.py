@@ -15,6 +15,10 @@ It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache
 - tokens that could not be loaded are reported by block id through `get_block_ids_with_load_errors`,
   and vLLM recomputes them. A request whose load failed in a step saves nothing in that step, so KV
   computed on top of a hole is never stored.
+On a GPU (`layouts.streams`): loads are enqueued on vLLM's current stream, so they run before the
+attention that reads them; saves copy on a side stream that first waits for an event recorded on vLLM's
+stream in `wait_for_save` (layerwise: in `save_kv_layer`), so they read the KV the forward wrote; no step
+waits for the device except to finish a layerwise save's commit.
 Every failure here is logged and turned into a miss; none propagates into vLLM's step.
 """
 from __future__ import annotations
@@ -76,12 +80,15 @@ class WorkerHalf:
         self._saver: ThreadPoolExecutor | None = None
         self._pending_saves: list[tuple[Future, list[SaveSpec]]] = []
         self._pending_lock = threading.Lock()
+        self._side = None  # layouts.streams.SideStream, made with the caches
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # vLLM inserts layers in forward order; that order is the stored chunk's layer order.
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.kv_caches = list(kv_caches.values())
+        from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
+        self._side = SideStream(self.kv_caches[0].device)
         self.engine = self._engine_factory(kv_caches)
         if self.async_save:
             # The save thread's copies run on it alone: a second OpenMP team in the process would
@@ -206,9 +213,12 @@ class WorkerHalf:
         if layer == 0:
             self._step.storers = [self._start_layerwise_store(spec) for spec in self._saves(meta)]
             self._step.storers = [s for s in self._step.storers if s is not None]
+        # This layer's KV was written by work vLLM enqueued so far: copy it out after that, on the side stream.
+        mark = self._side.mark() if self._step.storers else None
         for storer in list(self._step.storers):
             try:
-                next(storer)
+                with self._side.after(mark):
+                    next(storer)
             except StopIteration:
                 self._step.storers.remove(storer)
             except Exception:
@@ -232,26 +242,29 @@ class WorkerHalf:
             # Layers the forward never announced still get their KV before the step ends.
             self.wait_for_layer_load(next(reversed(self.layer_index)))
         if self.use_layerwise:
-            for storer in self._step.storers:
-                self._finish_store(storer)
+            with self._side.after(None):  # the commit waits for this step's layer copies on the side stream
+                for storer in self._step.storers:
+                    self._finish_store(storer)
             self._step.storers = []
             return
         saves = self._saves(meta)
         if not saves:
             return
+        mark = self._side.mark()  # the forward that wrote this step's KV was enqueued before this point
         if self._saver is None:
-            self._store_all(saves)
+            self._store_all(saves, mark)
             return
-        future = self._saver.submit(self._store_all, saves)
+        future = self._saver.submit(self._store_all, saves, mark)
         with self._pending_lock:
             self._pending_saves.append((future, saves))
 
-    def _store_all(self, saves: list[SaveSpec]) -> None:
+    def _store_all(self, saves: list[SaveSpec], mark=None) -> None:
         for spec in saves:
             try:
                 with metrics.timed("store_seconds"):
                     tokens, slots, mask = self._save_args(spec)
-                    self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra)
+                    with self._side.after(mark):  # after the forward that wrote the KV (on a GPU)
+                        self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra)
             except Exception:
                 logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
                 metrics.inc("failed_stores")
