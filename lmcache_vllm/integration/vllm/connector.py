@@ -118,9 +118,33 @@ class LMCacheConnector(KVConnectorBase_V1):
         # A best-effort cache: a dropped save is a future miss, never something vLLM must wait for.
         return False
 
+    # Class-level hooks vLLM asks before building any instance. vLLM 0.32 lacks some of them; it just never
+    # calls those, so this one module serves 0.32 and 0.33.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33: sleep mode remaps (and discards) the KV cache under us; a cached prefix would then be
+        # loaded into memory vLLM may hand elsewhere. Refused: vLLM reports it at start-up.
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layerwise loads and saves run in wait_for_layer_load / save_kv_layer between the layers, which a full
+        # CUDA graph replay skips: then a layer could be read before its KV is loaded. Piecewise graphs keep them.
+        return load_config(overrides=dict(extra_config or {})).use_layerwise
+
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33, before the KV cache is released (sleep, discard): no copy may touch it from now on.
+        if self._worker is not None:
+            self._worker.pause()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33, after wake-up: the same views are valid again.
+        if self._worker is not None:
+            self._worker.resume()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before it zeroes or writes any block: background

@@ -18,7 +18,8 @@ It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache
 On a GPU (`layouts.streams`): loads are enqueued on vLLM's current stream, so they run before the
 attention that reads them; saves copy on a side stream that first waits for an event recorded on vLLM's
 stream in `wait_for_save` (layerwise: in `save_kv_layer`), so they read the KV the forward wrote; no step
-waits for the device except to finish a layerwise save's commit.
+waits for the device except to finish a layerwise save's commit. `pause` / `resume` (vLLM 0.33's
+unregister / restore of the KV cache) stop every copy while vLLM has released the cache.
 Every failure here is logged and turned into a miss; none propagates into vLLM's step.
 """
 from __future__ import annotations
@@ -81,6 +82,7 @@ class WorkerHalf:
         self._pending_saves: list[tuple[Future, list[SaveSpec]]] = []
         self._pending_lock = threading.Lock()
         self._side = None  # layouts.streams.SideStream, made with the caches
+        self._paused = False
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -135,6 +137,18 @@ class WorkerHalf:
         with self._pending_lock:
             self._pending_saves = [(f, specs) for f, specs in self._pending_saves if not f.done()]
 
+    def pause(self) -> None:
+        """vLLM is about to release the KV cache: finish the copies in flight and start no new one."""
+        self.drain_saves()
+        for storer in self._step.storers:
+            storer.close()  # an unfinished layerwise save is dropped, its chunks released
+        self._step = _StepState()
+        self._paused = True
+
+    def resume(self) -> None:
+        """The KV cache views are valid again."""
+        self._paused = False
+
     def shutdown(self) -> None:
         self.drain_saves()
         if self._saver is not None:
@@ -154,6 +168,10 @@ class WorkerHalf:
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
+            return
+        if self._paused:  # vLLM does not schedule while its cache is released; recompute if it ever did
+            for spec in meta.loads:
+                self._load_errors.update(spec.block_ids)
             return
         for spec in meta.loads:
             with metrics.timed("load_seconds"):
@@ -205,7 +223,7 @@ class WorkerHalf:
             self._step.next_layer_to_load += 1
 
     def save_kv_layer(self, meta: LMCacheConnectorMetadata, layer_name: str) -> None:
-        if not self.use_layerwise or self.engine is None:
+        if not self.use_layerwise or self.engine is None or self._paused:
             return
         layer = self.layer_index.get(layer_name)
         if layer is None:
@@ -236,7 +254,7 @@ class WorkerHalf:
             return None
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
-        if self.engine is None:
+        if self.engine is None or self._paused:
             return
         if self._step.retrievers:
             # Layers the forward never announced still get their KV before the step ends.

@@ -1,0 +1,134 @@
+"""The connector's worker path as vLLM 0.32/0.33 drives it on a CUDA host, run on CPU tensors: a real
+`VllmConfig` (the local test model) and the worker-role `LMCacheConnector` built with a `KVCacheConfig`,
+`register_kv_caches` with the views vLLM's own `allocate_kv_cache` builds for a FLASH_ATTN-like spec
+(LBNHC, the CUDA default, also with kernel block splitting) and an MLA spec, then a save and a load through
+the connector's step methods; and the class hooks vLLM 0.33 asks (sleep mode, piecewise CUDA graphs,
+unregister / restore)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from lmcache_vllm.integration.vllm import LMCacheConnector  # noqa: E402
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
+from lmcache_vllm.layouts import StridedKVLayout  # noqa: E402
+from lmcache_vllm.testing.local_model import build_model  # noqa: E402
+
+try:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+except ImportError:  # vLLM 0.33
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+
+BLOCK, CHUNK, LAYERS, BLOCKS = 32, 64, 4, 16
+
+
+def vllm_setup(layout: str, extra: dict | None = None):
+    cache_config = CacheConfig(block_size=BLOCK)
+    cache_config.kv_cache_layout = layout
+    transfer = KVTransferConfig(kv_connector="LMCacheConnector", kv_role="kv_both",
+                                kv_connector_module_path="lmcache_vllm.integration.vllm",
+                                kv_connector_extra_config={"chunk_size": CHUNK, "max_local_cpu_size": 0.02,
+                                                           **(extra or {})})
+    model = ModelConfig(model=str(build_model("tiny")), dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    return VllmConfig(model_config=model, cache_config=cache_config, kv_transfer_config=transfer)
+
+
+def allocate(vllm_config, spec, layout: str, kernel_block_size=None):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(names, spec)],
+                                             spec.page_size_bytes * LAYERS * BLOCKS)
+    kernel = None if kernel_block_size is None else [kernel_block_size]
+    return config, allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout], kernel)
+
+
+def fill(kv_caches):
+    raw = torch.empty(0, dtype=torch.uint8).set_(next(iter(kv_caches.values())).untyped_storage())
+    raw.copy_(torch.randint(0, 100, raw.shape, generator=torch.Generator().manual_seed(1), dtype=torch.uint8))
+
+
+SPECS = {
+    "flash": lambda: FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16),
+    "mla": lambda: MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("kind,layout,kernel", [("flash", "LBNHC", None), ("flash", "LBNHC", 16),
+                                                ("flash", "BLNHC", None), ("mla", "LBNHC", None)])
+def test_connector_registers_vllms_views_and_round_trips(kind, layout, kernel):
+    vllm_config = vllm_setup(layout)
+    kv_cache_config, kv_caches = allocate(vllm_config, SPECS[kind](), layout, kernel)
+    connector = LMCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        connector.register_kv_caches(kv_caches)
+        engine = connector._worker.engine
+        assert isinstance(engine.layout, StridedKVLayout) and engine.layout.order == layout
+        assert engine.layout.geometry.kv_planes == (1 if kind == "mla" else 2)
+        fill(kv_caches)
+        tokens = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)
+        saved_blocks, loaded_blocks = [3, 7, 1, 12], [5, 0, 9, 14]
+        step = LMCacheConnectorMetadata(saves=[SaveSpec(req_id="a", token_ids=tokens, block_ids=saved_blocks,
+                                                        skip_leading=0, is_last=True)])
+        connector.bind_connector_metadata(step)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        connector.handle_preemptions(step)  # the next step starts: the background save is done
+        assert engine.lookup(tokens) == 2 * CHUNK
+
+        step = LMCacheConnectorMetadata(loads=[LoadSpec(req_id="b", token_ids=tokens, block_ids=loaded_blocks,
+                                                        skip_leading=0, load_end=len(tokens))])
+        connector.bind_connector_metadata(step)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert connector.get_block_ids_with_load_errors() == set()
+        for view in kv_caches.values():  # every byte of every loaded block equals the saved block's
+            per_block = view if kernel is None else view.unflatten(0, (BLOCKS, -1))
+            for old, new in zip(saved_blocks, loaded_blocks):
+                assert torch.equal(per_block[old].view(torch.uint8), per_block[new].view(torch.uint8))
+    finally:
+        connector.shutdown()
+
+
+def test_vllm_033_hooks():
+    assert LMCacheConnector.supports_sleep_mode(None) is False
+    assert LMCacheConnector.requires_piecewise_for_cudagraph({"use_layerwise": True}) is True
+    assert LMCacheConnector.requires_piecewise_for_cudagraph({}) is False
+
+    vllm_config = vllm_setup("LBNHC")
+    kv_cache_config, kv_caches = allocate(vllm_config, SPECS["flash"](), "LBNHC")
+    connector = LMCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        connector.register_kv_caches(kv_caches)
+        fill(kv_caches)
+        tokens = np.arange(5, 5 + CHUNK, dtype=np.int64)
+        save = LMCacheConnectorMetadata(saves=[SaveSpec(req_id="a", token_ids=tokens, block_ids=[2, 3],
+                                                        skip_leading=0, is_last=True)])
+        load = LMCacheConnectorMetadata(loads=[LoadSpec(req_id="b", token_ids=tokens, block_ids=[6, 7],
+                                                        skip_leading=0, load_end=CHUNK)])
+        connector.unregister_kv_caches()
+        connector.unregister_kv_caches()  # idempotent
+        connector.bind_connector_metadata(save)
+        connector.wait_for_save()  # released cache: nothing is copied
+        connector.handle_preemptions(save)
+        assert connector._worker.engine.lookup(tokens) == 0
+        connector.restore_kv_caches()
+        connector.bind_connector_metadata(save)
+        connector.wait_for_save()
+        connector.handle_preemptions(save)
+        assert connector._worker.engine.lookup(tokens) == CHUNK
+        connector.unregister_kv_caches()
+        connector.bind_connector_metadata(load)
+        connector.start_load_kv(None)  # while released: reported for recompute, nothing written
+        assert connector.get_block_ids_with_load_errors() == {6, 7}
+        connector.restore_kv_caches()
+    finally:
+        connector.shutdown()
