@@ -42,6 +42,8 @@ def add_arguments(parser):
     parser.add_argument("--vs-lmcache", metavar="PYTHON",
                         help="interpreter with lmcache==0.5.6 (e.g. .venv-lmcache/bin/python)")
     parser.add_argument("--chunks", type=int, help="chunks of 32 MiB moved per run (default 4 quick, 8 full)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads for the copies and the baseline (default: torch's choice)")
 
 
 def token_ids(n: int) -> np.ndarray:
@@ -289,6 +291,8 @@ def compare_with_lmcache(python: str, num_prompts: int, prompt_tokens: int, num_
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], add_arguments)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
     num_chunks = args.chunks or (4 if args.quick else 8)
     num_prompts, prompt_tokens = (16 if args.quick else 64), 4096
