@@ -17,8 +17,8 @@ It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache
   computed on top of a hole is never stored.
 On a GPU (`layouts.streams`): loads are enqueued on vLLM's current stream, so they run before the
 attention that reads them; saves copy on a side stream that first waits for an event recorded on vLLM's
-stream in `wait_for_save` (layerwise: in `save_kv_layer`), so they read the KV the forward wrote; no step
-waits for the device except to finish a layerwise save's commit. `pause` / `resume` (vLLM 0.33's
+stream in `wait_for_save` (layerwise: in `save_kv_layer`), so they read the KV the forward wrote; a step
+waits for the device only to commit a layerwise save or a synchronous one (`async_save` off). `pause` / `resume` (vLLM 0.33's
 unregister / restore of the KV cache) stop every copy while vLLM has released the cache.
 Every failure here is logged and turned into a miss; none propagates into vLLM's step.
 """
