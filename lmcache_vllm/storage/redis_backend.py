@@ -43,7 +43,7 @@ def _release_decoded(fut) -> None:
     release_objs(obj for obj, _ in fut.result())
 
 
-def _glob_escape(s: str) -> str:
+def glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
@@ -244,7 +244,7 @@ class RedisBackend(StorageBackend):
     async def clear(self) -> None:
         async def run():
             batch = []
-            async for rkey in self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+            async for rkey in self._client.scan_iter(match=glob_escape(self.prefix) + "*", count=1000):
                 batch.append(rkey)
                 if len(batch) >= 1000:
                     await self._client.unlink(*batch)

@@ -1,0 +1,136 @@
+"""`inspect` and `clear` of an L2 chunk directory, without vLLM and without a running server.
+
+Only headers are read (one `pread` of at most `codec.MAX_HEADER_SIZE` bytes per file); `verify=True` also
+reads each payload into a `bytearray` and checks its checksum. Files are judged as the disk tier judges
+them at start-up (`local_disk.py`): our magic and format version, a valid header for the key in the file
+name, and a size of header + payload. Anything else of our format is reported as corrupt; files of another
+format version or not ours are counted and left alone, by `clear` too.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.local_disk import SUFFIX, TMP_PREFIX, filename_for
+
+STALE_TMP_SECS = 60.0  # a temp file this old is no live writer's
+
+
+@dataclass
+class _File:
+    name: str
+    size: int
+    mtime: float
+    key: str | None = None  # set when the header is valid
+    problem: str | None = None  # set when the file is ours but corrupt
+    ours: bool = True  # False: another format version or not a chunk file at all
+
+
+def _read_file(path: str, name: str, verify: bool) -> _File:
+    full = os.path.join(path, name)
+    st = os.stat(full)
+    item = _File(name, st.st_size, st.st_mtime)
+    with open(full, "rb") as f:
+        head = f.read(codec.MAX_HEADER_SIZE)
+        version = codec.read_format_version(head)
+        if version != codec.FORMAT_VERSION:
+            item.ours = False
+            item.problem = "another format" if version is not None else "not a chunk"
+            return item
+        try:
+            header = codec.parse_header(head)
+        except codec.CorruptEntry as exc:
+            item.problem = str(exc)
+            return item
+        if filename_for(header.key) != name:
+            item.problem = f"file name does not match its key {header.key!r}"
+            return item
+        if st.st_size != header.header_len + header.payload_len:
+            item.problem = (f"{st.st_size} bytes, header says {header.header_len + header.payload_len}"
+                            " (truncated or padded)")
+            return item
+        if verify:
+            f.seek(header.header_len)
+            payload = bytearray(header.payload_len)
+            f.readinto(payload)
+            try:
+                codec.verify_payload(header, payload)
+            except codec.CorruptEntry as exc:
+                item.problem = str(exc)
+                return item
+    item.key = header.key
+    return item
+
+
+def _files(path: str, verify: bool):
+    with os.scandir(path) as it:
+        for entry in it:
+            if not entry.is_file(follow_symlinks=False) or not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                yield _read_file(path, entry.name, verify)
+            except FileNotFoundError:
+                continue  # removed meanwhile (a live server evicting)
+
+
+def _check_dir(path: str) -> str:
+    path = path[len("file://"):] if path.startswith("file://") else path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory")
+    return os.path.abspath(path)
+
+
+def inspect_disk(path: str, *, verify: bool = False) -> TierReport:
+    path = _check_dir(path)
+    report = TierReport("disk", path, verified=verify, time_note=" (file modification times)")
+    for item in _files(path, verify):
+        if not item.ours:
+            if item.problem == "another format":
+                report.other_format += 1
+            else:
+                report.ignored += 1
+        elif item.problem is not None:
+            report.add_corrupt(item.name, item.problem)
+        else:
+            report.add_chunk(item.key, item.size, item.mtime)
+    return report
+
+
+def clear_disk(path: str, *, namespace: str | None = None, dry_run: bool = False) -> dict:
+    """Removes our chunk files (of `namespace` only, when given; corrupt ones and stale temp files only
+    without a namespace). Returns what was (or, with dry_run, would be) removed."""
+    path = _check_dir(path)
+    removed = {"files": 0, "bytes": 0, "corrupt_files": 0, "temp_files": 0}
+    for item in _files(path, verify=False):
+        if not item.ours:
+            continue
+        if item.problem is not None:
+            if namespace is not None:
+                continue
+            removed["corrupt_files"] += 1
+        elif not namespace_matches(namespace_of(item.key), namespace):
+            continue
+        if not dry_run and not _unlink(os.path.join(path, item.name)):
+            continue
+        removed["files"] += 1
+        removed["bytes"] += item.size
+    if namespace is None:
+        now = time.time()
+        with os.scandir(path) as it:
+            stale = [e for e in it if e.name.startswith(TMP_PREFIX) and e.is_file(follow_symlinks=False)
+                     and now - e.stat().st_mtime > STALE_TMP_SECS]
+        for entry in stale:
+            if dry_run or _unlink(entry.path):
+                removed["temp_files"] += 1
+    return removed
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
