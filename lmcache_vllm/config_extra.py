@@ -56,6 +56,9 @@ class ExtraConfig:
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
     remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
                                              check=SECONDS)
+    # Operations
+    reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
+                                             "L2 and L3 (shared with other instances); false: only L1")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 

@@ -138,11 +138,15 @@ class CacheEngine:
     # ------------------------------------------------------------------ public API
     def lookup(self, tokens, extra: ExtraKeys | None = None) -> int:
         """Number of leading tokens whose KV is available in some tier (whole chunks only)."""
+        return self.lookup_tiers(tokens, extra)[0]
+
+    def lookup_tiers(self, tokens, extra: ExtraKeys | None = None) -> tuple[int, list[str]]:
+        """`lookup`'s answer and the tier holding each chunk of it (where a load would read it from)."""
         chunks = self._chunks(tokens, True, extra)
         if not chunks:
-            return 0
-        hits = self.storage.contains_prefix([c.key for c in chunks])
-        return chunks[hits - 1].end if hits else 0
+            return 0, []
+        tiers = self.storage.prefix_tiers([c.key for c in chunks])
+        return (chunks[len(tiers) - 1].end if tiers else 0), tiers
 
     def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
               extra: ExtraKeys | None = None) -> int:
@@ -249,8 +253,9 @@ class CacheEngine:
         with `.cancel()`."""
         return self.storage.prefetch([c.key for c in self._chunks(tokens, True, extra)])
 
-    def clear(self) -> None:
-        self.storage.clear()
+    def clear(self, lower_tiers: bool = True) -> bool:
+        """Empties L1 (and the lower tiers, unless `lower_tiers` is False); False if they did not finish."""
+        return self.storage.clear(lower_tiers=lower_tiers)
 
     def close(self) -> None:
         self._releases.drain()

@@ -72,8 +72,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "their KV besides token ids cannot be named in a key (reason: mm_unidentified, lora_unreadable, "
        "error_<exception>)", ("reason",), scope="engine"),
     _h("lookup_seconds", "Time of one scheduler lookup over every rank", scope="engine"),
-    _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache "
-       "(counted once per scheduled load)", scope="engine"),
+    _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache, by "
+       "the tier holding them (counted once per scheduled load)", _T, scope="engine"),
     _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
     # -- worker / engine
     _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "

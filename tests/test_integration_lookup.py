@@ -13,6 +13,7 @@ import zmq
 from lmcache_vllm import metrics
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
 from lmcache_vllm.integration.vllm.lookup import (
+    LookupAnswer,
     LookupClient,
     LookupServer,
     decode_tokens,
@@ -55,9 +56,9 @@ def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda t, e: 256)
     client = LookupClient([s0.address, s1.address], timeout_ms=2000, direct=False)
     try:
-        assert client.lookup(list(range(600))) == 256
+        assert client.lookup(list(range(600))).hit_tokens == 256
         extra = ExtraKeys(b"salt", (ExtraSpan(10, 20, b"mm:x"),))
-        assert client.lookup(list(range(600)), extra) == 256
+        assert client.lookup(list(range(600)), extra).hit_tokens == 256
         assert seen == [(list(range(600)), NO_EXTRA_KEYS), (list(range(600)), extra)]
         assert metrics.value("lookups_in_process") == 0
     finally:
@@ -71,7 +72,7 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
     client = LookupClient([lookup_socket_path("nobody", 0, sock_dir)], timeout_ms=50)
     try:
         t0 = time.monotonic()
-        assert client.lookup([1, 2, 3]) == 0
+        assert client.lookup([1, 2, 3]).hit_tokens == 0
         assert time.monotonic() - t0 < 1.0
         assert metrics.value("lookup_timeouts") == 1
     finally:
@@ -86,11 +87,11 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
     server = LookupServer(lookup_socket_path("slow", 0, sock_dir), slow)
     client = LookupClient([server.address], timeout_ms=100, direct=False)
     try:
-        assert client.lookup([1]) == 0  # timed out
+        assert client.lookup([1]).hit_tokens == 0  # timed out
         release.set()
         time.sleep(0.2)  # the late answer arrives and must not be taken for the next question
         server._lookup_fn = lambda tokens, extra: 7
-        assert client.lookup([1]) == 7
+        assert client.lookup([1]).hit_tokens == 7
     finally:
         client.close()
         server.close()
@@ -113,7 +114,7 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
             assert raw.poll(2000)
             assert raw.recv_multipart()[1] == (0).to_bytes(8, "little")
         assert metrics.value("lookup_rejected") == 3
-        assert client.lookup([1, 2]) == 0
+        assert client.lookup([1, 2]).hit_tokens == 0
     finally:
         raw.close()
         client.close()
@@ -125,13 +126,13 @@ def test_servers_in_the_same_process_are_called_directly(sock_dir):
     s1 = LookupServer(lookup_socket_path("local", 1, sock_dir), lambda t, e: int(t[-1]) + len(e.prefix))
     client = LookupClient([s0.address, s1.address], timeout_ms=50)
     try:
-        assert client.lookup(list(range(300))) == 299  # minimum over ranks, as over the sockets
-        assert client.lookup(list(range(300)), ExtraKeys(b"ab")) == 301  # extra keys reach the rank
+        assert client.lookup(list(range(300))).hit_tokens == 299  # minimum over ranks, as over the sockets
+        assert client.lookup(list(range(300)), ExtraKeys(b"ab")).hit_tokens == 301  # extra keys reach the rank
         assert metrics.value("lookups_in_process") == 2
         s1._lookup_fn = lambda t, e: 1 // 0  # a failing lookup is 0 hits here too
-        assert client.lookup([5]) == 0
+        assert client.lookup([5]).hit_tokens == 0
         s1.close()  # a rank no longer local: the sockets are used (and time out here)
-        assert client.lookup([5]) == 0
+        assert client.lookup([5]).hit_tokens == 0
         assert metrics.value("lookups_in_process") == 3 and metrics.value("lookup_timeouts") == 1
     finally:
         client.close()
@@ -174,8 +175,8 @@ def test_frames_are_bounded(sock_dir):
                           max_tokens=100)
     client = LookupClient([server.address], timeout_ms=1000, direct=False)
     try:
-        assert client.lookup(list(range(100))) == 5
-        assert client.lookup(list(range(101))) == 0  # more tokens than max_model_len: no lookup at all
+        assert client.lookup(list(range(100))).hit_tokens == 5
+        assert client.lookup(list(range(101))).hit_tokens == 0  # more tokens than max_model_len: no lookup at all
         assert seen == [100] and metrics.value("lookup_rejected") == 1
         # A message over MAXMSGSIZE is never buffered: ZMQ drops the peer, the server keeps serving.
         raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -184,7 +185,33 @@ def test_frames_are_bounded(sock_dir):
         raw.send_multipart([b"\x01" * 8, b"\x00" * (8 << 20), b""])
         assert not raw.poll(300)
         raw.close()
-        assert client.lookup(list(range(10))) == 5
+        assert client.lookup(list(range(10))).hit_tokens == 5
     finally:
         client.close()
         server.close()
+
+
+def test_tiers_of_the_hit_and_commands_cross_the_sockets(sock_dir):
+    answers = {0: LookupAnswer(768, ("local_cpu", "local_disk", "local_cpu")),
+               1: LookupAnswer(512, ("local_cpu", "redis"))}
+    calls = []
+    servers = [LookupServer(lookup_socket_path("tiers", r, sock_dir), lambda t, e, r=r: answers[r],
+                            commands={"reset_l1": lambda r=r: calls.append(r) or 1})
+               for r in (0, 1)]
+    for direct in (False, True):
+        client = LookupClient([s.address for s in servers], timeout_ms=2000, direct=direct)
+        try:
+            # The shortest hit; each chunk where the slowest rank holds it.
+            assert client.lookup([1, 2, 3]) == LookupAnswer(512, ("local_cpu", "redis"))
+            assert client.command("reset_l1") == [1, 1]
+            assert client.command("no_such_command") == [-1, -1]
+        finally:
+            client.close()
+    assert calls == [0, 1, 0, 1]
+    servers[1].close()  # a rank that does not answer: the command failed
+    client = LookupClient([s.address for s in servers], timeout_ms=100, direct=False)
+    try:
+        assert client.command("reset_l1") is None
+    finally:
+        client.close()
+        servers[0].close()

@@ -195,3 +195,25 @@ def test_slot_mapping_follows_block_ids():
     assert slots.tolist() == [28, 29, 30, 31, 12, 13]
     with pytest.raises(ValueError):
         slot_mapping_for([7], 4, 6)
+
+
+def test_hit_sources_split_the_planned_load_by_the_tier_of_each_chunk():
+    from lmcache_vllm import metrics
+    from lmcache_vllm.integration.vllm.lookup import LookupAnswer
+
+    half, store = make_half()
+    store.lookup = lambda tokens, extra=None: LookupAnswer(768, ("local_cpu", "local_disk", "redis"))
+    req = make_request("a", 800)
+    # vLLM's own prefix cache has the first 128 tokens: our load is [128, 768).
+    assert half.get_num_new_matched_tokens(req, 128) == (640, False)
+    half.update_state_after_alloc(req, None, 640)
+    assert half.hit_sources("a") == {"local_cpu": 128, "local_disk": 256, "redis": 256}
+    assert metrics.value("hit_tokens", tier="local_disk") == 256
+    # A lookup that does not say where (an older worker, or a plain count) is "unknown".
+    store.lookup = lambda tokens, extra=None: 512
+    req_b = make_request("b", 600)
+    assert half.get_num_new_matched_tokens(req_b, 0) == (512, False)
+    half.update_state_after_alloc(req_b, None, 512)
+    assert half.hit_sources("b") == {"unknown": 512}
+    half.update_state_after_alloc(req_b, None, 0)  # vLLM decided not to load
+    assert half.hit_sources("b") == {}

@@ -58,7 +58,7 @@ def test_ranks_and_scheduler_reach_prometheus_and_the_log_line(vllm_config):
     for name, rec in (("w0", rank0), ("w1", rank1)):
         rec.register_gauges(lambda name=name: [("used_bytes", {"tier": "local_cpu"}, 1000),
                                                ("breaker_open", {"tier": "redis"}, breaker[name])])
-    scheduler.inc("hit_tokens", 512)
+    scheduler.inc("hit_tokens", 512, tier="local_disk")
     scheduler.observe("lookup_seconds", 0.002)
     for rec in (rank0, rank1):
         rec.inc("loaded_tokens", 512)  # engine scope: only rank 0 counts
@@ -78,7 +78,7 @@ def test_ranks_and_scheduler_reach_prometheus_and_the_log_line(vllm_config):
 
     got = _scrape()
     e = (("engine", "0"),)
-    assert got[("lmcache_vllm:hit_tokens_total", e)] == 512
+    assert got[("lmcache_vllm:hit_tokens_total", (("engine", "0"), ("tier", "local_disk")))] == 512
     assert got[("lmcache_vllm:loaded_tokens_total", e)] == 512
     assert got[("lmcache_vllm:chunk_hits_total", (("engine", "0"), ("tier", "local_disk")))] == 4
     assert got[("lmcache_vllm:read_bytes_total", (("engine", "0"), ("tier", "local_disk")))] == 8192

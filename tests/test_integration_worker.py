@@ -31,7 +31,7 @@ def test_background_save_then_load_round_trips():
         worker.wait_for_save(_save_meta(tokens, blocks))
         assert worker._saver is not None  # the save went to the background thread
         # A lookup waits for the pending save, so a prompt sent right after finds it.
-        assert worker._lookup(tokens) == 3 * CHUNK
+        assert worker._lookup(tokens).hit_tokens == 3 * CHUNK
         assert metrics.value("stored_tokens") == 3 * CHUNK
 
         # Load into other blocks of the same caches, then compare the KV.
@@ -70,9 +70,9 @@ def test_drain_waits_for_the_gather_before_blocks_are_reused():
         expected = kv_of(engine, caches, torch.arange(2 * CHUNK))
         worker.wait_for_save(_save_meta(tokens, blocks))
         # An unrelated prompt's lookup does not wait for the pending save; one sharing its prefix does.
-        assert worker._lookup(list(range(5000, 5000 + 2 * CHUNK))) == 0
+        assert worker._lookup(list(range(5000, 5000 + 2 * CHUNK))).hit_tokens == 0
         hits = []
-        threading.Thread(target=lambda: hits.append(worker._lookup(tokens)), daemon=True).start()
+        threading.Thread(target=lambda: hits.append(worker._lookup(tokens).hit_tokens), daemon=True).start()
         drained = threading.Event()
         threading.Thread(target=lambda: (worker.drain_saves(), drained.set()), daemon=True).start()
         assert not drained.wait(0.2)  # the next step may not start while the gather is pending
@@ -102,4 +102,29 @@ def test_sync_save_stores_inside_the_step():
         assert worker._saver is None and worker._pending_saves == []
         assert worker.engine.lookup(tokens) == CHUNK
     finally:
+        worker.shutdown()
+
+
+def test_reset_command_empties_l1_after_pending_saves(tmp_path):
+    from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
+
+    caches = make_caches(True, seed=6)
+    address = lookup_socket_path("reset", 0, str(tmp_path))
+    worker = WorkerHalf(engine_factory=lambda _: make_engine(), block_size=BLOCK, use_layerwise=False,
+                        lookup_address=address, async_save=True)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    client = LookupClient([address], timeout_ms=5000, direct=False)
+    try:
+        tokens = list(range(700, 700 + 2 * CHUNK))
+        worker.begin_step()
+        worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
+        # The save still on the background thread lands first, then L1 is emptied: nothing is left.
+        assert client.command("reset_l1") == [1]
+        assert client.lookup(tokens).hit_tokens == 0
+        assert metrics.value("resident_chunks", tier="local_cpu") == 0
+        worker.begin_step()
+        worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
+        assert client.lookup(tokens) == (2 * CHUNK, ("local_cpu", "local_cpu"))
+    finally:
+        client.close()
         worker.shutdown()

@@ -74,7 +74,11 @@ def test_write_through_promotion_and_restart(tmp_path, redis_server, redis_prefi
         mgr.lower[0]._forget(key(2))
         raw.delete(redis_prefix + key(1))  # chunk 1 only on disk
         assert mgr.contains_prefix([key(i) for i in range(5)]) == 4
+        # where a load would read each chunk from: the first tier holding it
+        assert mgr.prefix_tiers([key(i) for i in range(5)]) == ["local_disk", "local_disk", "redis",
+                                                                "local_disk"]
         check_and_release(mgr.get([key(i) for i in range(5)]), chunks)
+        assert mgr.prefix_tiers([key(i) for i in range(5)]) == ["local_cpu"] * 4  # promoted
         assert metrics.value("chunk_hits", tier="local_disk") == 3
         assert metrics.value("chunk_hits", tier="redis") == 1
         assert all(mgr.l1.contains_sync(key(i)) for i in range(4))  # promoted

@@ -45,7 +45,8 @@ class StorageBackend(abc.ABC):
     async def remove(self, key: str) -> None:
         return None
 
-    async def clear(self) -> None:
+    async def clear(self) -> bool | None:
+        """Removes every entry; False when the tier could not be reached."""
         return None
 
     async def close(self) -> None:

@@ -138,9 +138,10 @@ class StorageManager:
             unknown = unknown_next
         return where
 
-    async def _prefix_in_lower(self, keys: Sequence[str]) -> int:
+    async def _prefix_in_lower(self, keys: Sequence[str]) -> list[str]:
         where = await self._locate(keys)
-        return next((i for i, tier in enumerate(where) if tier is None), len(where))
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        return [tier.name for tier in where[:n]]
 
     async def _fetch(self, keys: Sequence[str]) -> list[MemoryObj]:
         """Reads the longest lower-tier prefix of `keys` into L1 memory; promotes; refs for the caller."""
@@ -252,20 +253,26 @@ class StorageManager:
         return found
 
     def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
+        return len(self.prefix_tiers(keys))
+
+    def prefix_tiers(self, keys: Sequence[KeyLike]) -> list[str]:
+        """The tier holding each key of the longest prefix of `keys` found (L1 first, then the first
+        lower tier that has it); a tier that does not answer within the lookup timeout has nothing."""
         ks = [_key_str(k) for k in keys]
         n = self._l1_prefix(ks)
+        found = [self.l1.name] * n
         if n == len(ks) or not self.lower or self._closed:
-            return n
+            return found
         fut = asyncio.run_coroutine_threadsafe(self._prefix_in_lower(ks[n:]), self._loop)
         try:
-            return n + fut.result(self.lookup_timeout)
+            return found + fut.result(self.lookup_timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             metrics.inc("storage_timeouts", op="lookup")
         except Exception:
             logger.exception("storage lookup failed")
             metrics.inc("storage_errors", op="lookup")
-        return n
+        return found
 
     def get(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
         """The longest prefix of `keys` found in any tier; each object carries a ref for the caller."""
@@ -319,18 +326,26 @@ class StorageManager:
         fut = asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner), self._loop)
         return PrefetchHandle(fut, n, release)
 
-    def clear(self) -> None:
+    def clear(self, lower_tiers: bool = True) -> bool:
+        """Empties L1, prefetch holds included (and the lower tiers unless `lower_tiers` is False);
+        False when a lower tier did not finish within the get timeout."""
+        self._holds.release_all()
         self.l1.clear_sync()
-        if self._closed or not self.lower:
-            return
+        if not lower_tiers or self._closed or not self.lower:
+            return True
         fut = asyncio.run_coroutine_threadsafe(
             asyncio.wait_for(asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True),
                              self.get_timeout), self._loop)
         try:
-            fut.result(self.get_timeout + 1.0)
+            results = fut.result(self.get_timeout + 1.0)
         except Exception:
             logger.warning("clearing lower tiers did not finish", exc_info=True)
             fut.cancel()
+            return False
+        failed = [t.name for t, r in zip(self.lower, results) if r is False or isinstance(r, BaseException)]
+        if failed:
+            logger.warning("clearing %s failed", ", ".join(failed))
+        return not failed
 
     def _gauges(self):
         """This manager's gauges for `metrics` (read when stats are taken)."""

@@ -241,7 +241,7 @@ class RedisBackend(StorageBackend):
     async def remove(self, key: str) -> None:
         await self._call(lambda: self._client.delete(self._rkey(key)))
 
-    async def clear(self) -> None:
+    async def clear(self) -> bool:
         async def run():
             batch = []
             async for rkey in self._client.scan_iter(match=glob_escape(self.prefix) + "*", count=1000):
@@ -251,7 +251,8 @@ class RedisBackend(StorageBackend):
                     batch.clear()
             if batch:
                 await self._client.unlink(*batch)
-        await self._call(run)
+            return True
+        return bool(await self._call(run, default=False))
 
     async def ping(self) -> bool:
         return bool(await self._call(self._client.ping, default=False))

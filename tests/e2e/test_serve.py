@@ -1,14 +1,19 @@
 """End to end through the console script: `lmcache-vllm serve MODEL --kv-transfer-config ...` starts
 vLLM's OpenAI server (multiprocess engine, as users run it) on 127.0.0.1 and the second identical
-completion is served from our cache.
+completion is served from our cache. The server has all three tiers (L1, a disk directory, the test's
+Redis); the same server then shows our metrics at its own `/metrics` (hits per tier matching vLLM's
+`cached_tokens` and its hit sources), resets through `/reset_prefix_cache`, and survives Redis being
+killed; a restarted server finds the disk directory, and the CLI inspects what the run left there.
 
 The reference is vLLM alone in the same engine mode (multiprocess, the same thread binding) with its own
 prefix cache, sent the prompt twice: the cold answer and the 512-token hit are compared with the request
 computed with the same split."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,22 +66,23 @@ def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float
     raise AssertionError(f"server not healthy after {timeout_s}s:\n{log.read_text()[-6000:]}")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e_serve")
+@contextlib.contextmanager
+def _serve(tmp: Path, model: str, extra: dict):
+    """`lmcache-vllm serve` with our connector (config `extra`); yields (base URL, log path)."""
     port = _free_port()
-    log = tmp / "serve.log"
-    cmd = [*_launcher(), "serve", tiny_model, "--host", "127.0.0.1", "--port", str(port),
+    log = tmp / f"serve-{port}.log"
+    cmd = [*_launcher(), "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--kv-transfer-config", json.dumps(h.connector())]
+           "--kv-transfer-config", json.dumps(h.connector(extra))]
+    env = dict(h.vllm_env(tmp, multiprocessing=True), VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=h.REPO_ROOT, env=h.vllm_env(tmp, multiprocessing=True),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=h.REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, proc, log)
-        yield base, tiny_model, log
+        yield base, log
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the server's own session, started above
@@ -85,6 +91,20 @@ def server(tiny_model, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e_serve_disk")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, disk_dir, redis_server):
+    redis_server.ensure_running()
+    extra = {"local_disk": str(disk_dir), "max_local_disk_size": 1.0, "remote_url": redis_server.url,
+             "extra_config": {"remote_key_prefix": "e2e-serve:", "remote_timeout_secs": 0.5}}
+    with _serve(tmp_path_factory.mktemp("e2e_serve"), tiny_model, extra) as (base, log):
+        yield base, tiny_model, log
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +127,133 @@ def test_serve_answers_twice_second_from_cache(server, reference):
     for name, answer, cached in (("first", first, details[0]), ("second", second, details[1])):
         ours = {"tokens": answer["choices"][0]["token_ids"], "num_cached_tokens": cached}
         h.assert_like_with_like(ours, h.phase(reference, name)[0], what=name)
+
+
+# ---------------------------------------------------------------- metrics, reset, Redis faults, CLI
+def _completion(base: str, model: str, prompt: list[int]) -> dict:
+    return _post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8,
+                                            "temperature": 0.0})
+
+
+def _cached(answer: dict) -> int:
+    return (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+
+
+def _scrape(base: str) -> dict[tuple[str, str], float]:
+    """`/metrics` as {(sample name, label value of tier or source): value}, summed over other labels."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        found = re.search(r'(?:tier|source)="([^"]*)"', labels or "")
+        key = (name, found.group(1) if found else "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _wait_for(base: str, check, timeout_s: float = 20.0) -> dict:
+    """Scrapes until `check(scraped)` holds (stats reach the API server a step after the work)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        scraped = _scrape(base)
+        if check(scraped) or time.monotonic() > deadline:
+            return scraped
+        time.sleep(0.5)
+
+
+HIT = "lmcache_vllm:hit_tokens_total"
+BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+
+
+def test_metrics_count_l1_hits_as_vllm_does(server):
+    base, model, log = server
+    prompt = h.random_tokens(41, 600)
+    before = _scrape(base)
+    assert _cached(_completion(base, model, prompt)) == 0
+    warm = _cached(_completion(base, model, prompt))
+    assert warm == 512, log
+    got = _wait_for(base, lambda m: m.get((HIT, "local_cpu"), 0) - before.get((HIT, "local_cpu"), 0) >= warm)
+    assert got[(HIT, "local_cpu")] - before.get((HIT, "local_cpu"), 0) == warm
+    assert got[(BY_SOURCE, "host")] - before.get((BY_SOURCE, "host"), 0) == warm
+    # One help text per metric of the table reached vLLM's registry, with the tier labels.
+    assert got[("lmcache_vllm:capacity_bytes", "local_cpu")] > 0
+    assert got[("lmcache_vllm:capacity_bytes", "local_disk")] == 2 ** 30
+    assert got.get(("lmcache_vllm:loaded_tokens_total", ""), 0) >= warm
+
+
+def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):
+    base, model, log = server
+    prompt = h.random_tokens(42, 600)
+    _completion(base, model, prompt)
+    assert _cached(_completion(base, model, prompt)) == 512
+    before = _wait_for(base, lambda m: True)
+    req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.loads(resp.read()) == {"success": True}
+    again = _cached(_completion(base, model, prompt))
+    assert again == 512  # all of it from the disk tier: nothing from L1
+    got = _wait_for(base, lambda m: m.get((HIT, "local_disk"), 0) - before.get((HIT, "local_disk"), 0) >= again)
+    assert got.get((HIT, "local_cpu"), 0) == before.get((HIT, "local_cpu"), 0)
+    assert got[(HIT, "local_disk")] - before.get((HIT, "local_disk"), 0) == again
+    assert got[(BY_SOURCE, "disk")] - before.get((BY_SOURCE, "disk"), 0) == again
+
+
+def test_killed_redis_opens_the_breaker_and_counts_failed_reads(server, redis_server):
+    base, model, log = server
+    redis_server.kill()
+    try:
+        prompt = h.random_tokens(43, 600)
+        answer = _completion(base, model, prompt)  # its lookup asks Redis, which is gone
+        assert answer["usage"]["completion_tokens"] == 8 and _cached(answer) == 0
+        got = _wait_for(base, lambda m: m.get(("lmcache_vllm:breaker_open", "redis")) == 1)
+        assert got[("lmcache_vllm:breaker_open", "redis")] == 1
+        assert got[("lmcache_vllm:failed_reads_total", "redis")] >= 1
+        assert _cached(_completion(base, model, prompt)) == 512  # L1 still serves
+    finally:
+        redis_server.ensure_running()
+
+
+def test_stats_cli_reads_the_server(server):
+    base, model, log = server
+    out = subprocess.run([*_launcher(), "stats", "--url", base, "--json"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(h.REPO_ROOT)))
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    assert stats["counters"]["hit_tokens"]["local_cpu"] >= 1024
+    assert stats["cached_by_source"]["disk"] >= 512
+    assert stats["histograms"]["lookup_seconds"]["count"] >= 6
+
+
+def test_restarted_server_finds_the_disk_and_the_cli_inspects_it(server, tiny_model, tmp_path_factory,
+                                                                  disk_dir):
+    base, model, log = server
+    prompt = h.random_tokens(44, 600)
+    _completion(base, model, prompt)
+    with _serve(tmp_path_factory.mktemp("e2e_serve_restart"), tiny_model,
+                {"local_disk": str(disk_dir), "max_local_disk_size": 1.0}) as (base2, log2):
+        before = _scrape(base2)
+        assert _cached(_completion(base2, model, prompt)) == 512, log2
+        got = _wait_for(base2, lambda m: m.get((BY_SOURCE, "disk"), 0) - before.get((BY_SOURCE, "disk"), 0) >= 512)
+        assert got[(BY_SOURCE, "disk")] - before.get((BY_SOURCE, "disk"), 0) == 512
+        assert got[(HIT, "local_disk")] - before.get((HIT, "local_disk"), 0) == 512
+
+    def inspect(*args):
+        out = subprocess.run([*_launcher(), "inspect", "--disk", str(disk_dir), "--json", *args],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=str(h.REPO_ROOT)))
+        return out.returncode, json.loads(out.stdout)
+
+    rc, report = inspect()
+    assert rc == 0 and report["num_corrupt"] == 0 and report["chunks"] >= 2 * 4  # 4 prompts, 2 chunks each
+    assert len(report["namespaces"]) == 1
+    victim = sorted(disk_dir.glob("*.lmc"))[0]
+    h.flip_payload_bytes(victim)
+    rc, report = inspect("--verify")
+    assert rc == 3 and report["num_corrupt"] == 1 and report["corrupt"][0]["entry"] == victim.name

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _LOADING_ROLES = ("kv_both", "kv_consumer")
+# Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
+_HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK,
+                "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
@@ -68,8 +71,6 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
 
 class LMCacheConnector(KVConnectorBase_V1):
     """Saves vLLM's KV into tiered storage and loads cached prefixes back (see module docstring)."""
-
-    _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
@@ -213,3 +214,24 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0:
+            return {}
+        sources: dict[CacheHitSource, int] = {}
+        for tier, n in self._scheduler.hit_sources(request.request_id).items():
+            source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + n
+        if sum(sources.values()) != num_external_tokens:  # not our plan for this request: do not guess
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {s: n for s, n in sources.items() if n}
+
+    def reset_cache(self) -> bool:
+        """vLLM's `/reset_prefix_cache?reset_external=true`: every worker rank empties its L1 (and L2/L3
+        with extra_config.reset_lower_tiers); True when all did."""
+        command = "reset_all" if self.config.extra_config.reset_lower_tiers else "reset_l1"
+        results = self._scheduler.lookup_client.command(command)
+        ok = results is not None and all(r == 1 for r in results)
+        logger.info("LMCache reset (%s): %s", command, "done" if ok else f"failed ({results})")
+        return ok

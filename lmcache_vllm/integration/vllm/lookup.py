@@ -11,9 +11,16 @@ the common case: scheduler and worker share the process), the client calls the s
 functions directly instead of going through the sockets: measured inside vLLM, a socket round trip
 took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
 
-Wire format (no pickle): request = [seq: u64 LE, token ids: int64 LE array, extra keys:
-`ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq: u64 LE, hit tokens: i64 LE]. A rank that
-does not answer within the timeout counts as 0 hits, never an error.
+Wire format (no pickle): lookup request = [seq: u64 LE, token ids: int64 LE array, extra keys:
+`ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq, hit tokens: i64 LE + one byte per chunk of
+the hit: its tier's index in `metrics.TIERS`]; command request = [seq, b"cmd", name] (b"cmd" is never a
+token payload: not a whole number of int64), reply = [seq, i64 LE result]. A rank that does not answer
+within the timeout counts as 0 hits (a failed command), never an error.
+
+The answer (`LookupAnswer`) says which tier holds each chunk of the hit (vLLM's hit-source metric and our
+`hit_tokens{tier}`); over several ranks a chunk counts in the slowest tier any rank holds it in. The same
+channel carries commands to every rank (`LookupClient.command`, e.g. clearing the cache for vLLM's
+`/reset_prefix_cache`); each answers an integer, and the client gets every rank's or None.
 
 Isolation on a shared host: the sockets live in a private directory (`private_socket_dir`: mode 0700,
 owned by this user, refused otherwise) and are chmod 0600; the server drops any message larger than a
@@ -31,7 +38,7 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import zmq
@@ -43,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
+_CMD = b"cmd"
+_UNKNOWN_TIER = 255
 _MAX_IPC_PATH = 100  # sockaddr_un.sun_path holds 107 bytes plus NUL on Linux
 
 _local_servers: dict[str, "LookupServer"] = {}  # address -> live server of this process
@@ -95,18 +104,49 @@ def decode_tokens(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload, dtype="<i8")
 
 
-class LookupServer:
-    """Answers prefix lookups for one worker rank on its own daemon thread.
+class LookupAnswer(NamedTuple):
+    hit_tokens: int
+    chunk_tiers: tuple[str, ...] = ()  # tier name of each chunk of the hit, in order ("" = not said)
 
-    `lookup_fn(token_ids: np.ndarray, extra: ExtraKeys) -> int` is the engine's lookup; an exception in
-    it answers 0. More than `max_tokens` token ids are answered 0 without a lookup.
+    @classmethod
+    def of(cls, value) -> "LookupAnswer":
+        """A lookup function's result (a LookupAnswer, or a plain hit count) as a LookupAnswer."""
+        return value if isinstance(value, LookupAnswer) else cls(int(value))
+
+    def encode(self) -> bytes:
+        codes = bytes(metrics.TIERS.index(t) if t in metrics.TIERS else _UNKNOWN_TIER for t in self.chunk_tiers)
+        return _I64.pack(self.hit_tokens) + codes
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "LookupAnswer":
+        tiers = tuple(metrics.TIERS[c] if c < len(metrics.TIERS) else "" for c in payload[_I64.size:])
+        return cls(_I64.unpack_from(payload)[0], tiers)
+
+    @classmethod
+    def minimum(cls, answers: Sequence["LookupAnswer"]) -> "LookupAnswer":
+        """What every rank holds: the shortest hit; each chunk in the slowest tier any rank has it in."""
+        hit = max(0, min(a.hit_tokens for a in answers))
+        n = min(len(a.chunk_tiers) for a in answers) if hit else 0
+        order = {t: i for i, t in enumerate(metrics.TIERS)}
+        tiers = tuple(max((a.chunk_tiers[i] for a in answers), key=lambda t: order.get(t, len(order)))
+                      for i in range(n))
+        return cls(hit, tiers)
+
+
+class LookupServer:
+    """Answers prefix lookups and commands for one worker rank on its own daemon thread.
+
+    `lookup_fn(token_ids: np.ndarray, extra: ExtraKeys) -> LookupAnswer | int` is the engine's lookup;
+    an exception in it answers 0. More than `max_tokens` token ids are answered 0 without a lookup.
+    `commands` maps a name to a function returning an int (a failing one answers -1).
     """
 
-    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray, ExtraKeys], int],
-                 max_tokens: int = 1 << 20):
+    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray, ExtraKeys], "LookupAnswer | int"],
+                 max_tokens: int = 1 << 20, commands: dict[str, Callable[[], int]] | None = None):
         self.address = address
         self._lookup_fn = lookup_fn
         self.max_tokens = int(max_tokens)
+        self._commands = dict(commands or {})
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -127,6 +167,9 @@ class LookupServer:
         self._thread.start()
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        if len(frames) == 4 and frames[2] == _CMD and len(frames[1]) == _U64.size:
+            identity, seq, _, name = frames
+            return [identity, seq, _I64.pack(self.command(name.decode("utf-8", "replace")))]
         if len(frames) != 4 or len(frames[1]) != _U64.size:
             metrics.inc("lookup_rejected")
             logger.warning("malformed lookup request (%d frames) ignored", len(frames))
@@ -140,15 +183,26 @@ class LookupServer:
         except ValueError as exc:
             metrics.inc("lookup_rejected")
             logger.warning("malformed lookup request (%s); answering 0 hits", exc)
-            return [identity, seq, _I64.pack(0)]
-        return [identity, seq, _I64.pack(self.lookup(tokens, extra))]
+            return [identity, seq, LookupAnswer(0).encode()]
+        return [identity, seq, self.lookup(tokens, extra).encode()]
 
-    def lookup(self, token_ids: np.ndarray, extra: ExtraKeys | None = None) -> int:
+    def lookup(self, token_ids: np.ndarray, extra: ExtraKeys | None = None) -> LookupAnswer:
         try:
-            return int(self._lookup_fn(token_ids, extra or NO_EXTRA_KEYS))
+            return LookupAnswer.of(self._lookup_fn(token_ids, extra or NO_EXTRA_KEYS))
         except Exception:  # the cache never breaks inference: a failing lookup is a miss
             logger.exception("lookup failed; answering 0 hits")
-            return 0
+            return LookupAnswer(0)
+
+    def command(self, name: str) -> int:
+        fn = self._commands.get(name)
+        if fn is None:
+            logger.warning("unknown lookup-channel command %r", name)
+            return -1
+        try:
+            return int(fn())
+        except Exception:
+            logger.exception("command %r failed", name)
+            return -1
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -208,35 +262,49 @@ class LookupClient:
             servers = [_local_servers.get(a) for a in self._addresses]
         return None if None in servers else servers
 
-    def lookup(self, token_ids: Sequence[int], extra: ExtraKeys | None = None) -> int:
+    def lookup(self, token_ids: Sequence[int], extra: ExtraKeys | None = None) -> LookupAnswer:
         servers = self._local()
         if servers is not None:
             metrics.inc("lookups_in_process")
             tokens = np.asarray(token_ids, dtype=np.int64)
-            return max(0, min(server.lookup(tokens, extra) for server in servers))
+            return LookupAnswer.minimum([server.lookup(tokens, extra) for server in servers])
         with self._lock:
-            self._seq += 1
-            seq = _U64.pack(self._seq)
-            payload = encode_tokens(token_ids)
-            extra_bytes = extra.to_bytes() if extra else b""
-            for sock in self._sockets:
-                sock.send_multipart([seq, payload, extra_bytes])
-            return self._collect(seq)
+            payloads = self._ask([encode_tokens(token_ids), extra.to_bytes() if extra else b""])
+        if payloads is None:
+            metrics.inc("lookup_timeouts")
+            return LookupAnswer(0)
+        return LookupAnswer.minimum([LookupAnswer.decode(p) for p in payloads])
 
-    def _collect(self, seq: bytes) -> int:
+    def command(self, name: str) -> list[int] | None:
+        """Runs command `name` on every rank; each rank's result, or None when one did not answer."""
+        servers = self._local()
+        if servers is not None:
+            return [server.command(name) for server in servers]
+        with self._lock:
+            payloads = self._ask([_CMD, name.encode()], exact_size=_I64.size)
+        return None if payloads is None else [_I64.unpack(p)[0] for p in payloads]
+
+    def _ask(self, frames: list[bytes], exact_size: int | None = None) -> list[bytes] | None:
+        """Sends [seq, *frames] to every rank; each rank's reply payload, None after the timeout."""
+        self._seq += 1
+        seq = _U64.pack(self._seq)
+        for sock in self._sockets:
+            sock.send_multipart([seq, *frames])
+        return self._collect(seq, exact_size)
+
+    def _collect(self, seq: bytes, exact_size: int | None) -> list[bytes] | None:
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
-        answers: dict[int, int] = {}
+        answers: dict[int, bytes] = {}
         deadline_ms = self.timeout_ms
         start = time.monotonic()
         while len(answers) < len(self._sockets):
             left = deadline_ms - (time.monotonic() - start) * 1000
             if left <= 0:
-                metrics.inc("lookup_timeouts")
-                logger.warning("lookup timed out after %d ms (%d/%d ranks answered); counting 0 hits",
+                logger.warning("lookup channel: no answer after %d ms (%d/%d ranks answered)",
                                self.timeout_ms, len(answers), len(self._sockets))
-                return 0
+                return None
             ready = dict(poller.poll(left))
             for index, sock in enumerate(self._sockets):
                 if sock not in ready:
@@ -247,9 +315,10 @@ class LookupClient:
                     except zmq.Again:
                         break
                     # Replies to earlier requests that timed out are stale: skip them.
-                    if len(frames) == 2 and frames[0] == seq and len(frames[1]) == _I64.size:
-                        answers[index] = _I64.unpack(frames[1])[0]
-        return max(0, min(answers.values()))
+                    if len(frames) == 2 and frames[0] == seq and len(frames[1]) >= _I64.size and (
+                            exact_size is None or len(frames[1]) == exact_size):
+                        answers[index] = frames[1]
+        return [answers[i] for i in range(len(self._sockets))]
 
     def close(self) -> None:
         for sock in self._sockets:

@@ -28,6 +28,7 @@ import numpy as np
 
 from lmcache_vllm import metrics
 from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
 
@@ -58,6 +59,7 @@ class _PendingLoad:
 class _Lookup:
     hit_tokens: int  # stored prefix length the workers reported
     num_computed_tokens: int  # vLLM's local hit the answer was relative to
+    chunk_tiers: tuple[str, ...] = ()  # tier holding each chunk of the hit ("" = unknown)
 
 
 class RequestTracker:
@@ -72,6 +74,7 @@ class RequestTracker:
         self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
         self.pending_load: _PendingLoad | None = None
         self.uncacheable = uncacheable
+        self.hit_sources: dict[str, int] = {}  # tokens of the last planned load, by the tier holding them
         self._token_array = np.empty(0, dtype=np.int64)
 
     def token_array(self) -> np.ndarray:
@@ -125,9 +128,10 @@ class SchedulerHalf:
         if tracker.extra is None:
             return 0, False
         with metrics.timed("lookup_seconds"):
-            hit = min(self.lookup_client.lookup(tracker.token_array(), tracker.extra), num_tokens)
+            answer = LookupAnswer.of(self.lookup_client.lookup(tracker.token_array(), tracker.extra))
         metrics.inc("lookups")
-        self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens)
+        hit = min(answer.hit_tokens, num_tokens)
+        self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, answer.chunk_tiers)
         usable = hit - 1 if hit == num_tokens else hit
         if usable <= num_computed_tokens:
             return 0, False
@@ -138,6 +142,7 @@ class SchedulerHalf:
         tracker = self._tracker(request)
         lookup = self._lookups.pop(request.request_id, None)
         tracker.pending_load = None
+        tracker.hit_sources = {}
         if num_external_tokens <= 0:
             return
         if lookup is None:
@@ -147,7 +152,14 @@ class SchedulerHalf:
         load_end = lookup.num_computed_tokens + num_external_tokens
         fetch_len = min(lookup.hit_tokens, ceil_to(load_end, self.chunk_size))
         tracker.pending_load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
-        metrics.inc("hit_tokens", num_external_tokens)
+        tracker.hit_sources = self._sources(lookup, load_end)
+        for tier, n in tracker.hit_sources.items():
+            metrics.inc("hit_tokens", n, tier=tier)
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """Tokens of the request's planned load by tier name (`unknown` where the lookup did not say)."""
+        tracker = self._trackers.get(request_id)
+        return dict(tracker.hit_sources) if tracker is not None else {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids))
@@ -208,6 +220,18 @@ class SchedulerHalf:
             logger.warning("request %s is not cached (%s); further such requests are only counted",
                            request.request_id, reason)
         return RequestTracker(request, None, uncacheable=reason)
+
+    def _sources(self, lookup: _Lookup, load_end: int) -> dict[str, int]:
+        """Tokens [num_computed_tokens, load_end) split by the tier of the chunk each lies in."""
+        sources: dict[str, int] = {}
+        start = lookup.num_computed_tokens
+        while start < load_end:
+            index = start // self.chunk_size
+            end = min(load_end, (index + 1) * self.chunk_size)
+            tier = lookup.chunk_tiers[index] if index < len(lookup.chunk_tiers) else ""
+            sources[tier or "unknown"] = sources.get(tier or "unknown", 0) + end - start
+            start = end
+        return sources
 
     def _forget(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)

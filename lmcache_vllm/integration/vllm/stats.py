@@ -29,13 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from lmcache_vllm import metrics
 
-# The short summary in vLLM's periodic log line: (label, metric, labels) summed over the interval.
-_SUMMARY_COUNTERS = (
-    ("hit_tokens", "hit_tokens", {}),
-    ("loaded_tokens", "loaded_tokens", {}),
-    ("stored_tokens", "stored_tokens", {}),
-    ("failed_load_tokens", "failed_load_tokens", {}),
-)
+# The short summary in vLLM's periodic log line: these counters over the interval (all labels summed).
+_SUMMARY_COUNTERS = ("hit_tokens", "loaded_tokens", "stored_tokens", "failed_load_tokens")
 _ERROR_COUNTERS = ("failed_stores", "failed_reads", "failed_writes", "corrupt_chunks", "dropped_stores",
                    "storage_timeouts", "storage_errors", "lookup_timeouts")
 
@@ -57,8 +52,8 @@ class LMCacheConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         flat = metrics.flat(self.data)
         out: dict[str, int | float] = {}
-        for label, name, _ in _SUMMARY_COUNTERS:
-            out[label] = int(flat.get(name, 0))
+        for name in _SUMMARY_COUNTERS:
+            out[name] = int(sum(v for k, v in flat.items() if k.split(".")[0] == name))
         for tier in metrics.TIERS:
             out[f"{tier}_hit_chunks"] = int(flat.get(f"chunk_hits.{tier}", 0))
         for name in ("load_seconds", "store_seconds", "lookup_seconds"):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from lmcache_vllm import metrics
-from lmcache_vllm.integration.vllm.lookup import LookupServer
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupServer
 from lmcache_vllm.integration.vllm.metadata import (
     LMCacheConnectorMetadata,
     LoadSpec,
@@ -99,15 +99,32 @@ class WorkerHalf:
                                              initializer=single_threaded_torch)
         if self.lookup_address is not None:
             self.lookup_server = LookupServer(self.lookup_address, self._lookup,
-                                              max_tokens=self.max_lookup_tokens)
+                                              max_tokens=self.max_lookup_tokens, commands={
+                "reset_l1": lambda: self._reset(lower_tiers=False),
+                "reset_all": lambda: self._reset(lower_tiers=True)})
         logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                     getattr(self.engine, "layout", None), self.lookup_address)
 
-    def _lookup(self, token_ids, extra=None) -> int:
+    def _lookup(self, token_ids, extra=None) -> LookupAnswer:
         if self._pending_save_shares_prefix(token_ids):
             self.drain_saves()  # chunks a just-finished request is still storing count as present
         engine = self.engine
-        return 0 if engine is None else int(engine.lookup(token_ids, extra))
+        if engine is None:
+            return LookupAnswer(0)
+        hit, tiers = engine.lookup_tiers(token_ids, extra)
+        return LookupAnswer(hit, tuple(tiers))
+
+    def _reset(self, lower_tiers: bool) -> int:
+        """vLLM's reset of the prefix cache (sent by the scheduler): saves handed out so far land first,
+        then L1 (and with `lower_tiers` L2/L3) is emptied. 1 when done."""
+        self.drain_saves()
+        engine = self.engine
+        if engine is None:
+            return 1
+        ok = engine.clear(lower_tiers=lower_tiers)
+        logger.info("LMCache cache reset (%s): %s", "every tier" if lower_tiers else "L1",
+                    "done" if ok else "lower tiers did not finish")
+        return int(ok)
 
     def _pending_save_shares_prefix(self, token_ids) -> bool:
         """Whether a background save still running stores the first chunk of `token_ids` (without a
