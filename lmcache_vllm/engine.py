@@ -17,7 +17,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
@@ -103,7 +103,7 @@ class CacheEngine:
             return self.storage.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.geometry.dtype)
         except Exception as exc:  # a full arena must never break inference
             metrics.inc("dropped_stores", reason="arena_full")
-            logger.warning("store of chunk %s dropped: %s", chunk.key.to_str(), exc)
+            logs.warn(logger, "arena_full", "store of chunk %s dropped: %s", chunk.key.to_str(), exc)
             return None
 
     def _plan_retrieve(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> _RetrievePlan:
@@ -117,7 +117,7 @@ class CacheEngine:
             if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
                 # Same key, different geometry: another model config wrote it. Treat as a miss.
                 metrics.inc("shape_mismatches")
-                logger.warning("chunk %s has shape %s %s, expected %s %s; ignored", chunk.key.to_str(),
+                logs.warn(logger, "shape_mismatch", "chunk %s has shape %s %s, expected %s %s; ignored", chunk.key.to_str(),
                                tuple(obj.tensor.shape), obj.tensor.dtype, expected, self.layout.geometry.dtype)
                 break
             plan.chunks.append(chunk)

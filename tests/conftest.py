@@ -1,6 +1,6 @@
 """Shared test fixtures: a real `redis-server` for the session (`redis_server`), a fresh key prefix per
 test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, and fresh process metrics for
-every test (`lmcache_vllm.metrics` counts per process)."""
+every test (`lmcache_vllm.metrics` counts per process; `lmcache_vllm.logs` rate-limits per process)."""
 
 from __future__ import annotations
 
@@ -77,10 +77,11 @@ class RedisServer:
 
 @pytest.fixture(autouse=True)
 def fresh_metrics():
-    from lmcache_vllm import metrics
+    from lmcache_vllm import logs, metrics
 
     metrics.RECORDER.reset()
     metrics.set_primary(True)
+    logs.reset()  # rate-limited warnings start afresh
     yield
 
 

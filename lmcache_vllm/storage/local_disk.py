@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
@@ -250,7 +250,7 @@ class LocalDiskBackend(StorageBackend):
                 cfut.add_done_callback(_release_result)
             raise
         except codec.CorruptEntry as exc:
-            logger.warning("corrupt disk chunk %s: %s", item[0], exc)
+            logs.warn(logger, "disk_corrupt", "corrupt disk chunk %s: %s", item[0], exc)
             if self._forget(key) is not None:
                 self._drop_corrupt(item[0])
             return None
@@ -258,7 +258,7 @@ class LocalDiskBackend(StorageBackend):
             self._forget(key)
             return None
         except OSError as exc:
-            logger.warning("disk read of %s failed: %s", item[0], exc)
+            logs.warn(logger, "disk_read_failed", "disk read of %s failed: %s", item[0], exc)
             metrics.inc("failed_reads", tier=self.name)
             return None
         if obj is None:
@@ -342,7 +342,7 @@ class LocalDiskBackend(StorageBackend):
         try:
             fd, direct = chunk_file.create(tmp, want_direct)
         except OSError as exc:
-            logger.warning("cannot create a chunk file in %s: %s", self.path, exc)
+            logs.warn(logger, "disk_write_failed", "cannot create a chunk file in %s: %s", self.path, exc)
             return False
         if want_direct and not direct:
             self._no_direct_io("open")
@@ -361,7 +361,7 @@ class LocalDiskBackend(StorageBackend):
             return True
         except OSError as exc:
             if exc.errno != errno.ENOSPC:  # a full disk is expected: counted (failed_writes), not logged
-                logger.warning("writing chunk file %s failed: %s", name, exc)
+                logs.warn(logger, "disk_write_failed", "writing chunk file %s failed: %s", name, exc)
             try:
                 os.unlink(tmp)
             except OSError:

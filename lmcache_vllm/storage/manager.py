@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
@@ -108,7 +108,7 @@ class StorageManager:
                                                return_exceptions=True)
                 for tier, result in zip(self.lower, results):
                     if isinstance(result, BaseException):  # a refused write (False) the tier counted
-                        logger.warning("%s put failed: %r", tier.name, result)
+                        logs.warn(logger, f"{tier.name}_put_failed", "%s put failed: %r", tier.name, result)
                         metrics.inc("failed_writes", tier=tier.name)
             finally:
                 obj.ref_down()
@@ -126,7 +126,7 @@ class StorageManager:
             try:
                 found = await tier.contains([keys[i] for i in unknown])
             except Exception as exc:
-                logger.warning("%s contains failed: %r", tier.name, exc)
+                logs.warn(logger, f"{tier.name}_contains_failed", "%s contains failed: %r", tier.name, exc)
                 metrics.inc("failed_reads", tier=tier.name)
                 continue
             unknown_next = []
@@ -159,7 +159,7 @@ class StorageManager:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning("%s get failed: %r", tier.name, exc)
+                logs.warn(logger, f"{tier.name}_get_failed", "%s get failed: %r", tier.name, exc)
                 metrics.inc("failed_reads", tier=tier.name)
                 return [None] * len(idx)
             finally:
@@ -191,7 +191,7 @@ class StorageManager:
             handoff.deliver([])
             raise
         except Exception:
-            logger.exception("storage read failed")
+            logs.warn(logger, "storage_read_failed", "storage read failed", exc_info=True)
             metrics.inc("storage_errors", op="get")
             objs = []
         handoff.deliver(objs)
@@ -245,7 +245,7 @@ class StorageManager:
             metrics.inc("storage_timeouts", op="lookup")
             return found
         except Exception:
-            logger.exception("storage lookup failed")
+            logs.warn(logger, "storage_lookup_failed", "storage lookup failed", exc_info=True)
             metrics.inc("storage_errors", op="lookup")
             return found
         for i, tier in zip(missing, where):
@@ -270,7 +270,7 @@ class StorageManager:
             fut.cancel()
             metrics.inc("storage_timeouts", op="lookup")
         except Exception:
-            logger.exception("storage lookup failed")
+            logs.warn(logger, "storage_lookup_failed", "storage lookup failed", exc_info=True)
             metrics.inc("storage_errors", op="lookup")
         return found
 

@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
@@ -214,7 +214,8 @@ class RedisBackend(StorageBackend):
                 try:
                     obj = codec.decode(value, key, alloc)
                 except codec.CorruptEntry as exc:
-                    logger.warning("corrupt redis value under %r: %s; deleting it", self._rkey(key), exc)
+                    logs.warn(logger, "redis_corrupt", "corrupt redis value under %r: %s; deleting it",
+                              self._rkey(key), exc)
                     out.append((None, "corrupt"))
                     continue
                 out.append((obj, "hits" if obj is not None else "alloc_failures"))

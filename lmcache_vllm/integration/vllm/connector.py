@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
@@ -111,7 +111,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                 async_save=self.config.extra_config.async_save,
                 lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None,
                 max_lookup_tokens=vllm_config.model_config.max_model_len)
-        logger.info("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
+        self._kv_role, self._world_size = kv_role, world_size
+        logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)
 
     @property
@@ -136,6 +137,10 @@ class LMCacheConnector(KVConnectorBase_V1):
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+        # The one start-up line with the resolved configuration (each worker rank, once).
+        logger.info("%s, %d layers", logs.describe_config(
+            self.config, layout=getattr(self._worker.engine, "layout", None), world_size=self._world_size,
+            role=self._kv_role), len(kv_caches))
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33, before the KV cache is released (sleep, discard): no copy may touch it from now on.

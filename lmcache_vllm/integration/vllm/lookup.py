@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import zmq
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.extra_keys import MAX_EXTRA_BYTES, NO_EXTRA_KEYS, ExtraKeys
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class LookupServer:
             return [identity, seq, _I64.pack(self.command(name.decode("utf-8", "replace")))]
         if len(frames) != 4 or len(frames[1]) != _U64.size:
             metrics.inc("lookup_rejected")
-            logger.warning("malformed lookup request (%d frames) ignored", len(frames))
+            logs.warn(logger, "malformed_lookup", "malformed lookup request (%d frames) ignored", len(frames))
             return None
         identity, seq, payload, extra_bytes = frames
         try:
@@ -182,7 +182,7 @@ class LookupServer:
             extra = ExtraKeys.from_bytes(extra_bytes)
         except ValueError as exc:
             metrics.inc("lookup_rejected")
-            logger.warning("malformed lookup request (%s); answering 0 hits", exc)
+            logs.warn(logger, "malformed_lookup", "malformed lookup request (%s); answering 0 hits", exc)
             return [identity, seq, LookupAnswer(0).encode()]
         return [identity, seq, self.lookup(tokens, extra).encode()]
 
@@ -190,7 +190,7 @@ class LookupServer:
         try:
             return LookupAnswer.of(self._lookup_fn(token_ids, extra or NO_EXTRA_KEYS))
         except Exception:  # the cache never breaks inference: a failing lookup is a miss
-            logger.exception("lookup failed; answering 0 hits")
+            logs.warn(logger, "lookup_failed", "lookup failed; answering 0 hits", exc_info=True)
             return LookupAnswer(0)
 
     def command(self, name: str) -> int:
@@ -302,8 +302,8 @@ class LookupClient:
         while len(answers) < len(self._sockets):
             left = deadline_ms - (time.monotonic() - start) * 1000
             if left <= 0:
-                logger.warning("lookup channel: no answer after %d ms (%d/%d ranks answered)",
-                               self.timeout_ms, len(answers), len(self._sockets))
+                logs.warn(logger, "lookup_timeout", "lookup channel: no answer after %d ms (%d/%d ranks "
+                          "answered)", self.timeout_ms, len(answers), len(self._sockets))
                 return None
             ready = dict(poller.poll(left))
             for index, sock in enumerate(self._sockets):

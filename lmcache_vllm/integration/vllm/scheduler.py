@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
@@ -212,7 +212,8 @@ class SchedulerHalf:
         except UncacheableRequest as exc:
             reason = exc.reason
         except Exception as exc:  # a bug in deriving keys must not break serving: not cached, counted
-            logger.exception("request %s: extra keys failed", request.request_id)
+            logs.warn(logger, "extra_keys_failed", "request %s: extra keys failed", request.request_id,
+                      exc_info=True)
             reason = f"error_{type(exc).__name__}"
         metrics.inc("uncacheable_requests", reason=reason)
         if reason not in self._warned_reasons:  # once per reason: a client may send many such requests
@@ -268,8 +269,8 @@ class SchedulerHalf:
         start = floor_to(tracker.saved_end, self.chunk_size)
         num_blocks = ceil_to(end, self.block_size) // self.block_size
         if num_blocks > len(tracker.block_ids):
-            logger.warning("request %s: %d tokens to save but only %d blocks known; save skipped",
-                           tracker.req_id, end, len(tracker.block_ids))
+            logs.warn(logger, "save_without_blocks", "request %s: %d tokens to save but only %d blocks known; "
+                      "save skipped", tracker.req_id, end, len(tracker.block_ids))
             return
         meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end), extra=tracker.extra,
                                    block_ids=tracker.block_ids[:num_blocks], skip_leading=start,

@@ -34,7 +34,7 @@ from typing import Callable, Generator
 import numpy as np
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm import logs, metrics
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupServer
 from lmcache_vllm.integration.vllm.metadata import (
     LMCacheConnectorMetadata,
@@ -102,7 +102,7 @@ class WorkerHalf:
                                               max_tokens=self.max_lookup_tokens, commands={
                 "reset_l1": lambda: self._reset(lower_tiers=False),
                 "reset_all": lambda: self._reset(lower_tiers=True)})
-        logger.info("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
+        logger.debug("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                     getattr(self.engine, "layout", None), self.lookup_address)
 
     def _lookup(self, token_ids, extra=None) -> LookupAnswer:
@@ -208,7 +208,8 @@ class WorkerHalf:
             else:
                 loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
         except Exception:
-            logger.exception("request %s: load failed; vLLM will recompute", spec.req_id)
+            logs.warn(logger, "load_failed", "request %s: load failed; vLLM will recompute", spec.req_id,
+                      exc_info=True)
             loaded = torch.zeros(num, dtype=torch.bool)
         missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
         num_missing = int(missing.sum())
@@ -218,8 +219,8 @@ class WorkerHalf:
             self._load_errors.update(bad_blocks)
             self._step.failed_loads.add(spec.req_id)
             metrics.inc("failed_load_tokens", num_missing)
-            logger.warning("request %s: %d of %d tokens could not be loaded; %d blocks reported for "
-                           "recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
+            logs.warn(logger, "load_incomplete", "request %s: %d of %d tokens could not be loaded; %d blocks "
+                      "reported for recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._step.retrievers:
@@ -235,7 +236,8 @@ class WorkerHalf:
                 except StopIteration:
                     self._step.retrievers.remove(retriever)
                 except Exception:
-                    logger.exception("layerwise load failed at layer %d", self._step.next_layer_to_load)
+                    logs.warn(logger, "load_failed", "layerwise load failed at layer %d",
+                              self._step.next_layer_to_load, exc_info=True)
                     self._step.retrievers.remove(retriever)
             self._step.next_layer_to_load += 1
 
@@ -257,7 +259,7 @@ class WorkerHalf:
             except StopIteration:
                 self._step.storers.remove(storer)
             except Exception:
-                logger.exception("layerwise store failed at layer %d", layer)
+                logs.warn(logger, "store_failed", "layerwise store failed at layer %d", layer, exc_info=True)
                 metrics.inc("failed_stores")
                 self._step.storers.remove(storer)
 
@@ -266,7 +268,7 @@ class WorkerHalf:
             tokens, slots, mask = self._save_args(spec)
             return self.engine.store_layer(tokens, self.kv_caches, slots, mask, extra=spec.extra)
         except Exception:
-            logger.exception("request %s: store failed", spec.req_id)
+            logs.warn(logger, "store_failed", "request %s: store failed", spec.req_id, exc_info=True)
             metrics.inc("failed_stores")
             return None
 
@@ -301,7 +303,8 @@ class WorkerHalf:
                     with self._side.after(mark):  # after the forward that wrote the KV (on a GPU)
                         self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra)
             except Exception:
-                logger.exception("request %s: store failed; the chunks stay uncached", spec.req_id)
+                logs.warn(logger, "store_failed", "request %s: store failed; the chunks stay uncached",
+                          spec.req_id, exc_info=True)
                 metrics.inc("failed_stores")
 
     def _finish_store(self, storer: Generator) -> None:
@@ -311,7 +314,7 @@ class WorkerHalf:
         except StopIteration:
             pass
         except Exception:
-            logger.exception("layerwise store failed while committing")
+            logs.warn(logger, "store_failed", "layerwise store failed while committing", exc_info=True)
             metrics.inc("failed_stores")
 
     def _saves(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
