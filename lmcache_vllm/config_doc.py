@@ -93,21 +93,23 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def readme_section(text: str) -> Optional[str]:
-    """The generated part of README.md's text (None when the markers are missing)."""
-    if BEGIN not in text or END not in text:
-        return None
-    return text[text.index(BEGIN):text.index(END) + len(END)]
+def readme_section(text: str, begin: str = BEGIN, end: str = END) -> Optional[str]:
+    """The generated part of README.md's text between `begin` and `end` (None when a marker is missing)."""
+    start = text.find(begin)
+    stop = text.find(end, start) if start >= 0 else -1
+    return None if stop < 0 else text[start:stop + len(end)]
 
 
-def update_readme(path: str = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")) -> None:
+def update_readme(path: str = os.path.join(os.path.dirname(__file__), os.pardir, "README.md"),
+                  begin: str = BEGIN, end: str = END, content: Optional[str] = None) -> None:
+    """Replaces the part between the markers with `content` (default: this module's `markdown()`)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    old = readme_section(text)
+    old = readme_section(text, begin, end)
     if old is None:
-        raise SystemExit(f"{path}: the markers {BEGIN!r} ... {END!r} are missing")
+        raise SystemExit(f"{path}: the markers {begin!r} ... {end!r} are missing")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(text.replace(old, markdown()))
+        f.write(text.replace(old, markdown() if content is None else content))
 
 
 def check(paths: Sequence[str]) -> int:

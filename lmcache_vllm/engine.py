@@ -117,8 +117,9 @@ class CacheEngine:
             if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
                 # Same key, different geometry: another model config wrote it. Treat as a miss.
                 metrics.inc("shape_mismatches")
-                logs.warn(logger, "shape_mismatch", "chunk %s has shape %s %s, expected %s %s; ignored", chunk.key.to_str(),
-                               tuple(obj.tensor.shape), obj.tensor.dtype, expected, self.layout.geometry.dtype)
+                logs.warn(logger, "shape_mismatch", "chunk %s has shape %s %s, expected %s %s; ignored",
+                          chunk.key.to_str(), tuple(obj.tensor.shape), obj.tensor.dtype, expected,
+                          self.layout.geometry.dtype)
                 break
             plan.chunks.append(chunk)
             plan.objs.append(obj)

@@ -1,0 +1,67 @@
+"""The README's metric table, generated from `metrics.METRICS` so that it cannot drift from the code.
+
+    python -m lmcache_vllm.metrics_doc              # print the table
+    python -m lmcache_vllm.metrics_doc --update-readme
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+from lmcache_vllm import config_doc
+from lmcache_vllm.metrics import METRIC_LIST, PREFIX, MetricDef
+
+BEGIN = "<!-- BEGIN generated metrics -->"
+END = "<!-- END generated metrics -->"
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+
+
+def exposed_name(d: MetricDef) -> str:
+    """The name(s) Prometheus shows."""
+    name = PREFIX + d.name
+    if d.kind == "counter":
+        return f"`{name}_total`"
+    if d.kind == "histogram":
+        return f"`{name}_bucket` / `_sum` / `_count`"
+    return f"`{name}`"
+
+
+def _counted(d: MetricDef) -> str:
+    if d.kind == "gauge":
+        return f"latest per process, {d.gauge_agg} over processes"
+    return "once per engine" if d.scope == "engine" else "every TP rank, summed"
+
+
+def markdown() -> str:
+    lines = [BEGIN, "", "| metric | type | unit | labels | counted | meaning |", "|---|---|---|---|---|---|"]
+    for d in METRIC_LIST:
+        labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
+        lines.append(f"| {exposed_name(d)} | {d.kind} | {d.unit} | {labels} | {_counted(d)} | "
+                     f"{d.help.replace('|', '/')} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def readme_section(text: str) -> Optional[str]:
+    return config_doc.readme_section(text, BEGIN, END)
+
+
+def update_readme(path: str = README) -> None:
+    config_doc.update_readme(path, BEGIN, END, markdown())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--update-readme"]:
+        update_readme()
+    elif not args:
+        print(markdown())
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The metric names, kinds, labels and help texts dashboards depend on, listed here on purpose: renaming or
+re-documenting a metric must change this test too. The README's table and the Grafana dashboard are checked
+against the same table."""
+import json
+import re
+from pathlib import Path
+
+from lmcache_vllm import metrics, metrics_doc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STABLE = [
+    ("lookups", "counter", (),
+     'Prefix lookups the scheduler asked the workers for (a request waiting for free blocks is'
+     ' looked up again at each try)'),
+    ("lookups_in_process", "counter", (),
+     "Lookups answered by a direct call because every rank's lookup server lives in the "
+     "scheduler's process"),
+    ("lookup_timeouts", "counter", (),
+     'Lookups that timed out and counted as 0 hits'),
+    ("lookup_seconds", "histogram", (),
+     'Time of one scheduler lookup over every rank'),
+    ("hit_tokens", "counter", ('tier',),
+     'Prompt tokens vLLM loads from our tiers beyond its own prefix cache, by the tier holding'
+     ' them (counted once per scheduled load)'),
+    ("load_requests", "counter", (),
+     'Requests the scheduler planned a load for'),
+    ("loaded_tokens", "counter", (),
+     "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP rank 0)"),
+    ("failed_load_tokens", "counter", (),
+     'Tokens planned to load that could not be; vLLM recomputes them (summed over TP ranks)'),
+    ("stored_tokens", "counter", (),
+     'Tokens whose KV was newly stored (counted on TP rank 0)'),
+    ("store_skipped_tokens", "counter", (),
+     'Tokens handed to a store whose chunks were stored already'),
+    ("failed_stores", "counter", (),
+     'Stores of a request that failed with an error; its chunks stay uncached'),
+    ("stores_skipped_after_failed_load", "counter", (),
+     "Saves skipped because the request's load failed in the same step (KV computed past a "
+     'hole is not kept)'),
+    ("shape_mismatches", "counter", (),
+     'Chunks found under their key with another shape or dtype; treated as misses'),
+    ("load_seconds", "histogram", (),
+     "Time to load one request's cached KV into vLLM's paged cache"),
+    ("store_seconds", "histogram", (),
+     "Time to store one request's new KV (on the save thread unless saves are synchronous)"),
+    ("save_wait_seconds", "counter", (),
+     "Time vLLM's step waited for background saves to finish"),
+    ("chunk_hits", "counter", ('tier',),
+     'Chunks served by a tier (L1 from memory; L2/L3 read and promoted into L1)'),
+    ("chunk_misses", "counter", ('tier',),
+     'Chunks a tier was asked for and did not hold'),
+    ("read_bytes", "counter", ('tier',),
+     'Bytes of chunks served by a tier'),
+    ("stored_chunks", "counter", ('tier',),
+     'Chunks written to a tier'),
+    ("stored_bytes", "counter", ('tier',),
+     'Bytes of chunks written to a tier'),
+    ("dropped_stores", "counter", ('reason',),
+     'Chunks not stored below L1 or at all: arena_full (no L1 memory for a new chunk), '
+     'queue_full (lower-tier write queue full), shutdown (queued at close)'),
+    ("failed_writes", "counter", ('tier',),
+     'Writes a lower tier refused or failed (disk full, chunk larger than the tier, Redis down'
+     ' or its breaker open)'),
+    ("failed_reads", "counter", ('tier',),
+     'Reads or existence checks of a tier that failed (I/O error, Redis down or its breaker '
+     'open); answered as misses'),
+    ("corrupt_chunks", "counter", ('tier',),
+     'Stored chunks that failed their checks (checksum, size, header) and were deleted'),
+    ("evictions", "counter", ('tier',),
+     'Chunks evicted from a tier to make room (least recently used first)'),
+    ("read_alloc_failures", "counter", ('tier',),
+     'Lower-tier hits not read because no L1 memory was free'),
+    ("breaker_skipped_calls", "counter", ('tier',),
+     "Calls answered at once as misses while the tier's circuit breaker was open"),
+    ("storage_timeouts", "counter", ('op',),
+     'Storage calls (op lookup or get) that passed their timeout and answered a miss'),
+    ("storage_errors", "counter", ('op',),
+     'Storage calls (op lookup or get) that failed with an unexpected error and answered a '
+     'miss'),
+    ("prefetches", "counter", (),
+     'Background reads started from the lower tiers into L1'),
+    ("adopted_chunks", "counter", ('tier',),
+     'Chunk files another process wrote into a shared directory, found on a miss and indexed'),
+    ("reindexed_chunks", "counter", ('tier',),
+     'Chunk files found and indexed at start-up'),
+    ("tier_read_seconds", "histogram", ('tier',),
+     'Time of one batched read from a lower tier'),
+    ("tier_write_seconds", "histogram", ('tier',),
+     'Time to write one chunk to a lower tier'),
+    ("used_bytes", "gauge", ('tier',),
+     'Bytes a tier uses now'),
+    ("capacity_bytes", "gauge", ('tier',),
+     'Bytes a tier may use'),
+    ("resident_chunks", "gauge", ('tier',),
+     'Chunks a tier holds now'),
+    ("breaker_open", "gauge", ('tier',),
+     "1 while the tier's circuit breaker is open (calls answer misses at once), else 0"),
+    ("write_queue_pending", "gauge", (),
+     'Writes queued for the lower tiers'),
+    ("prefetch_held_chunks", "gauge", (),
+     'Chunks held in L1 by prefetches until their request loads them'),
+]
+
+
+def test_metric_names_kinds_labels_and_help_texts_are_stable():
+    assert [(d.name, d.kind, d.labels, d.help) for d in metrics.METRIC_LIST] == STABLE
+
+
+def test_readme_carries_the_generated_metric_table():
+    section = metrics_doc.readme_section((ROOT / "README.md").read_text())
+    assert section == metrics_doc.markdown(), "run: python -m lmcache_vllm.metrics_doc --update-readme"
+
+
+def test_grafana_dashboard_uses_only_metrics_that_exist():
+    dashboard = json.loads((ROOT / "examples" / "grafana" / "lmcache-vllm.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = set(re.findall(r"lmcache_vllm:([a-z_]+)", " ".join(exprs)))
+    suffixes = ("_total", "_bucket", "_sum", "_count")
+    names = {next((u[:-len(s)] for s in suffixes if u.endswith(s) and u[:-len(s)] in metrics.METRICS), u)
+             for u in used}
+    assert names <= set(metrics.METRICS), names - set(metrics.METRICS)
+    for name in names:  # counters are used with _total, histograms with _bucket
+        kind = metrics.METRICS[name].kind
+        assert any(u == name + {"counter": "_total", "histogram": "_bucket", "gauge": ""}[kind] for u in used)
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("hit rate", "bytes", "latency", "evictions", "errors"):
+        assert topic in titles
