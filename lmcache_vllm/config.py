@@ -81,6 +81,9 @@ class LMCacheConfig:
     pre_caching_hash_algorithm: str = setting(
         "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
         choices=SUPPORTED_HASH_ALGORITHMS)
+    enable_kv_events: bool = setting(
+        False, "KV cache events (BlockStored / BlockRemoved per chunk, medium cpu / disk / redis) through "
+               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on)")
     extra_config: ExtraConfig = setting(
         meaning="lmcache-vllm's own settings (next table; config_extra.py); merged key by key across sources",
         default_factory=ExtraConfig)

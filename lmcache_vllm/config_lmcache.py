@@ -162,7 +162,6 @@ LMCACHE_KEYS: dict[str, KeyRule] = {
     "use_gpu_connector_v3": noop("selects among LMCache's GPU copy kernels; lmcache-vllm has its own"),
     "py_enable_gc": noop("lmcache-vllm leaves Python's garbage collector in vLLM's processes alone"),
     # ---- observability
-    "enable_kv_events": lacks(bool, False, "KV cache events for vLLM's KV event publisher (issue #13)"),
     "enable_chunk_statistics": lacks(bool, False, "LMCache's chunk reuse statistics"),
     "chunk_statistics_auto_start_statistics": lacks(bool, False, "chunk statistics",
                                                     ("enable_chunk_statistics",)),

@@ -17,7 +17,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
@@ -89,8 +89,9 @@ class CacheEngine:
 
     def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> list[_Chunk]:
         """Chunks worth storing: fully inside the mask and not present in L1/lower tiers yet."""
-        chunks = [c for c in self._chunks(tokens, self.config.save_unfull_chunk, extra)
-                  if bool(mask[c.start:c.end].all())]
+        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
+        self._note_for_events(tokens, chunks)
+        chunks = [c for c in chunks if bool(mask[c.start:c.end].all())]
         if not chunks:
             return []
         present = self.storage.contains([c.key for c in chunks])
@@ -111,6 +112,7 @@ class CacheEngine:
         plan = _RetrievePlan()
         if not chunks:
             return plan
+        self._note_for_events(tokens, chunks)  # a chunk read from below lands in L1: an event
         objs = self.storage.get([c.key for c in chunks])
         for chunk, obj in zip(chunks, objs):
             expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
@@ -126,6 +128,16 @@ class CacheEngine:
         for obj in objs[len(plan.objs):]:
             obj.ref_down()
         return plan
+
+    @staticmethod
+    def _note_for_events(tokens, chunks: list[_Chunk]) -> None:
+        """Parent digest and token ids of each chunk, for the KV events of the tiers it lands in."""
+        if not kv_events.RECORDER.enabled:
+            return
+        parent = None
+        for chunk in chunks:
+            kv_events.note_chunk(chunk.key.digest, parent, tokens[chunk.start:chunk.end])
+            parent = chunk.key.digest
 
     @staticmethod
     def _masked_slots(slot_mapping: torch.Tensor, mask: torch.Tensor, chunk: _Chunk) -> torch.Tensor:

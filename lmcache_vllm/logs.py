@@ -64,7 +64,7 @@ def describe_config(config, *, layout: object = None, world_size: int = 1, role:
         tiers.append(f"L3 {safe_url(config.remote_url)} prefix {extra.remote_key_prefix!r}")
     flags = {"layerwise": config.use_layerwise, "async save": extra.async_save and not config.use_layerwise,
              "save_unfull_chunk": config.save_unfull_chunk, "save_decode_cache": config.save_decode_cache,
-             "kv events": bool(getattr(config, "enable_kv_events", False)),
+             "kv events": config.enable_kv_events,
              "reset_lower_tiers": extra.reset_lower_tiers}
     on = [k for k, v in flags.items() if v]
     off = [k for k, v in flags.items() if not v]

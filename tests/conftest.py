@@ -77,11 +77,13 @@ class RedisServer:
 
 @pytest.fixture(autouse=True)
 def fresh_metrics():
-    from lmcache_vllm import logs, metrics
+    from lmcache_vllm import kv_events, logs, metrics
 
     metrics.RECORDER.reset()
     metrics.set_primary(True)
     logs.reset()  # rate-limited warnings start afresh
+    kv_events.RECORDER.reset()
+    kv_events.RECORDER.enabled = False
     yield
 
 

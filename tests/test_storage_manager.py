@@ -323,3 +323,24 @@ def test_two_live_processes_share_a_disk_directory(tmp_path, make_chunk):
         assert reader.contains([key(3)]) == [True]
         os.unlink(tmp_path / filename_for(key(3)))
         assert reader.get([key(3)]) == []
+
+
+def test_clear_empties_l1_and_on_request_the_lower_tiers(tmp_path, redis_server, redis_prefix, make_chunk):
+    cfg = config(local_disk=str(tmp_path), max_local_disk_size=0.01, remote_url=redis_server.url,
+                 extra={"remote_key_prefix": redis_prefix})
+    with StorageManager(cfg) as mgr:
+        for i in range(3):
+            store(mgr, i, make_chunk(i, CHUNK))
+        assert mgr.flush()
+        assert mgr.clear(lower_tiers=False)
+        assert len(mgr.l1) == 0 and mgr.prefix_tiers([key(0)]) == ["local_disk"]
+        assert mgr.clear()
+        assert mgr.contains_prefix([key(0)]) == 0 and not list(tmp_path.glob("*.lmc"))
+        raw = redis.Redis.from_url(redis_server.url)
+        assert raw.keys(redis_prefix + "*") == []
+        raw.close()
+        redis_server.kill()
+        try:
+            assert not mgr.clear()  # an unreachable tier: not done
+        finally:
+            redis_server.restart()

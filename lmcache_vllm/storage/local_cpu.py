@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm import kv_events, metrics
 from lmcache_vllm.memory import AllocationError, HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import AllocFn, StorageBackend
 
@@ -65,6 +65,7 @@ class LocalCPUBackend(StorageBackend):
             self._index[key] = obj
             self._key_of[id(obj)] = key
         obj.set_evictor(self._on_evict)
+        kv_events.stored(key, self.name)
         metrics.inc("stored_chunks", tier=self.name)
         metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         return True
@@ -77,6 +78,7 @@ class LocalCPUBackend(StorageBackend):
             self._key_of.pop(id(obj), None)
         obj.clear_evictor()
         obj.ref_down()
+        kv_events.removed(key, self.name)
         return True
 
     def clear_sync(self) -> None:
@@ -95,6 +97,7 @@ class LocalCPUBackend(StorageBackend):
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
         metrics.inc("evictions", tier=self.name)
+        kv_events.removed(key, self.name)
         obj.ref_down()
 
     # ---- StorageBackend ----------------------------------------------------------------------

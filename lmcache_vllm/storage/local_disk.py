@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
@@ -113,6 +113,7 @@ class LocalDiskBackend(StorageBackend):
         for _, key, name, size in found:
             self._index[key] = (name, size)
             self._used += size
+            kv_events.stored(key, self.name)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
         self._evict_to(self.max_bytes)
 
@@ -169,6 +170,7 @@ class LocalDiskBackend(StorageBackend):
                 self._index[key] = (name, item[3])
                 self._used += item[3]
                 metrics.inc("adopted_chunks", tier=self.name)
+                kv_events.stored(key, self.name)
             entry = self._index[key]
         self._evict_to(self.max_bytes)
         return entry
@@ -184,6 +186,9 @@ class LocalDiskBackend(StorageBackend):
 
     def _drop_corrupt(self, name: str) -> None:
         metrics.inc("corrupt_chunks", tier=self.name)
+        key = _key_from_filename(name)
+        if key is not None:
+            kv_events.removed(key, self.name)
         self._unlink(name)
 
     def _evict_to(self, limit: int) -> bool:
@@ -196,6 +201,7 @@ class LocalDiskBackend(StorageBackend):
                 self._used -= size
             self._unlink(name)
             metrics.inc("evictions", tier=self.name)
+            kv_events.removed(key, self.name)
         return True
 
     def _forget(self, key: str) -> Optional[str]:
@@ -323,6 +329,7 @@ class LocalDiskBackend(StorageBackend):
                 else:
                     self._used -= size
             if ok:
+                kv_events.stored(key, self.name)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
             else:
@@ -378,14 +385,16 @@ class LocalDiskBackend(StorageBackend):
         name = self._forget(key)
         if name is not None:
             self._unlink(name)
+            kv_events.removed(key, self.name)
 
     async def clear(self) -> None:
         with self._lock:
-            items = list(self._index.values())
+            items = list(self._index.items())
             self._index.clear()
-            self._used -= sum(size for _, size in items)
-        for name, _ in items:
+            self._used -= sum(size for _, (_, size) in items)
+        for key, (name, _) in items:
             self._unlink(name)
+            kv_events.removed(key, self.name)
 
     async def close(self) -> None:
         self._closed = True

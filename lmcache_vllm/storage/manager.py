@@ -333,9 +333,11 @@ class StorageManager:
         self.l1.clear_sync()
         if not lower_tiers or self._closed or not self.lower:
             return True
-        fut = asyncio.run_coroutine_threadsafe(
-            asyncio.wait_for(asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True),
-                             self.get_timeout), self._loop)
+        async def clear_lower():  # gathered on the loop: its futures must belong to that loop
+            return await asyncio.wait_for(
+                asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True), self.get_timeout)
+
+        fut = asyncio.run_coroutine_threadsafe(clear_lower(), self._loop)
         try:
             results = fut.result(self.get_timeout + 1.0)
         except Exception:

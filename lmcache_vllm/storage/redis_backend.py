@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
@@ -170,6 +170,7 @@ class RedisBackend(StorageBackend):
                 out.append(obj)
         for key in corrupt:
             await self._call(lambda: self._client.delete(self._rkey(key)))
+            kv_events.removed(key, self.name)
         return out
 
     async def _read_group(self, keys: Sequence[str], alloc: AllocFn) -> list:
@@ -229,6 +230,7 @@ class RedisBackend(StorageBackend):
         ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
                               default=False)
         if ok:
+            kv_events.stored(key, self.name)
             metrics.inc("stored_chunks", tier=self.name)
             metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         else:
@@ -240,7 +242,8 @@ class RedisBackend(StorageBackend):
         return bool(await self._call(lambda: self._client.set(self._rkey(key), value), default=False))
 
     async def remove(self, key: str) -> None:
-        await self._call(lambda: self._client.delete(self._rkey(key)))
+        if await self._call(lambda: self._client.delete(self._rkey(key))):
+            kv_events.removed(key, self.name)
 
     async def clear(self) -> bool:
         async def run():
@@ -248,12 +251,17 @@ class RedisBackend(StorageBackend):
             async for rkey in self._client.scan_iter(match=glob_escape(self.prefix) + "*", count=1000):
                 batch.append(rkey)
                 if len(batch) >= 1000:
-                    await self._client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                await self._client.unlink(*batch)
+                    await self._unlink(batch)
+            await self._unlink(batch)
             return True
         return bool(await self._call(run, default=False))
+
+    async def _unlink(self, rkeys: list) -> None:
+        if rkeys:
+            await self._client.unlink(*rkeys)
+            for rkey in rkeys:
+                kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name)
+            rkeys.clear()
 
     async def ping(self) -> bool:
         return bool(await self._call(self._client.ping, default=False))

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -67,14 +68,14 @@ def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float
 
 
 @contextlib.contextmanager
-def _serve(tmp: Path, model: str, extra: dict):
+def _serve(tmp: Path, model: str, extra: dict, args: tuple[str, ...] = ()):
     """`lmcache-vllm serve` with our connector (config `extra`); yields (base URL, log path)."""
     port = _free_port()
     log = tmp / f"serve-{port}.log"
     cmd = [*_launcher(), "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--kv-transfer-config", json.dumps(h.connector(extra))]
+           "--kv-transfer-config", json.dumps(h.connector(extra)), *args]
     env = dict(h.vllm_env(tmp, multiprocessing=True), VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=h.REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -99,11 +100,19 @@ def disk_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory, disk_dir, redis_server):
+def events_endpoint() -> str:
+    return f"ipc://{tempfile.mkdtemp(prefix='lmv-ev-')}/events.sock"  # short: a socket path holds 107 bytes
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, disk_dir, redis_server, events_endpoint):
     redis_server.ensure_running()
     extra = {"local_disk": str(disk_dir), "max_local_disk_size": 1.0, "remote_url": redis_server.url,
+             "enable_kv_events": True,
              "extra_config": {"remote_key_prefix": "e2e-serve:", "remote_timeout_secs": 0.5}}
-    with _serve(tmp_path_factory.mktemp("e2e_serve"), tiny_model, extra) as (base, log):
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+    with _serve(tmp_path_factory.mktemp("e2e_serve"), tiny_model, extra,
+                ("--kv-events-config", json.dumps(events))) as (base, log):
         yield base, tiny_model, log
 
 
@@ -186,6 +195,39 @@ def test_metrics_count_l1_hits_as_vllm_does(server):
     assert got[("lmcache_vllm:capacity_bytes", "local_cpu")] > 0
     assert got[("lmcache_vllm:capacity_bytes", "local_disk")] == 2 ** 30
     assert got.get(("lmcache_vllm:loaded_tokens_total", ""), 0) >= warm
+
+
+def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    base, model, log = server
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events_endpoint)
+    try:
+        time.sleep(1.0)  # a subscriber only gets what is published after it joined
+        prompt = h.random_tokens(45, 600)
+        _completion(base, model, prompt)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ours: dict[str, list] = {}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not {"cpu", "disk", "redis"} <= set(ours):
+            if sub.poll(500):
+                _, _, payload = sub.recv_multipart()
+                for event in decoder.decode(payload).events:
+                    if isinstance(event, BlockStored) and event.medium in ("cpu", "disk", "redis"):
+                        ours.setdefault(event.medium, []).append(event)
+            else:
+                _completion(base, model, h.random_tokens(46, 10))  # a step: worker events reach vLLM
+    finally:
+        sub.close(linger=0)
+    assert {"cpu", "disk", "redis"} <= set(ours), (ours.keys(), log)
+    first, second = ours["cpu"][:2]
+    assert first.token_ids == prompt[:256] and first.parent_block_hash is None and first.block_size == 256
+    assert second.token_ids == prompt[256:512] and second.parent_block_hash == first.block_hashes[0]
+    assert {e.block_hashes[0] for e in ours["disk"]} == {first.block_hashes[0], second.block_hashes[0]}
 
 
 def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):

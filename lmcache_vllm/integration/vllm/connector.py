@@ -15,7 +15,7 @@ two talk only through `LMCacheConnectorMetadata` and the lookup sockets of `look
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -26,8 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
+from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
@@ -36,6 +37,8 @@ from lmcache_vllm.integration.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -90,6 +93,9 @@ class LMCacheConnector(KVConnectorBase_V1):
         instance_id = str(transfer.engine_id)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        kv_events.RECORDER.enabled = self.config.enable_kv_events
+        self._events = SchedulerEvents(world_size) if (
+            self.config.enable_kv_events and role == KVConnectorRole.SCHEDULER) else None
         if role == KVConnectorRole.SCHEDULER:
             client = LookupClient([lookup_socket_path(instance_id, r) for r in range(world_size)],
                                   timeout_ms=self.config.lookup_timeout_ms)
@@ -186,6 +192,19 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # ============================================================== KV events (events.py)
+    def get_kv_connector_kv_cache_events(self):
+        if self._worker is None or not self.config.enable_kv_events:
+            return None
+        return take_worker_events(self.config.chunk_size)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self._events is not None:
+            self._events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        return self._events.take() if self._events is not None else ()
 
     # ============================================================== both sides: metrics (stats.py)
     def get_kv_connector_stats(self) -> LMCacheConnectorStats | None:
