@@ -213,7 +213,7 @@ def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         ours: dict[str, list] = {}
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not {"cpu", "disk", "redis"} <= set(ours):
+        while time.monotonic() < deadline and min(len(ours.get(m, ())) for m in ("cpu", "disk", "redis")) < 2:
             if sub.poll(500):
                 _, _, payload = sub.recv_multipart()
                 for event in decoder.decode(payload).events:
@@ -223,7 +223,7 @@ def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
                 _completion(base, model, h.random_tokens(46, 10))  # a step: worker events reach vLLM
     finally:
         sub.close(linger=0)
-    assert {"cpu", "disk", "redis"} <= set(ours), (ours.keys(), log)
+    assert all(len(ours.get(m, ())) >= 2 for m in ("cpu", "disk", "redis")), (ours, log)
     first, second = ours["cpu"][:2]
     assert first.token_ids == prompt[:256] and first.parent_block_hash is None and first.block_size == 256
     assert second.token_ids == prompt[256:512] and second.parent_block_hash == first.block_hashes[0]
