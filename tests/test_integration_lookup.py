@@ -207,7 +207,7 @@ def test_tiers_of_the_hit_and_commands_cross_the_sockets(sock_dir):
             assert client.command("no_such_command") == [-1, -1]
         finally:
             client.close()
-    assert calls == [0, 1, 0, 1]
+    assert sorted(calls[:2]) == [0, 1] and calls[2:] == [0, 1]  # sockets: both ranks at once; direct: in order
     servers[1].close()  # a rank that does not answer: the command failed
     client = LookupClient([s.address for s in servers], timeout_ms=100, direct=False)
     try:
