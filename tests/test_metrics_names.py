@@ -18,6 +18,12 @@ STABLE = [
      "scheduler's process"),
     ("lookup_timeouts", "counter", (),
      'Lookups that timed out and counted as 0 hits'),
+    ("lookup_rejected", "counter", (),
+     'Lookup messages a worker refused: malformed, or more tokens than max_model_len (answered'
+     ' 0 hits or dropped)'),
+    ("uncacheable_requests", "counter", ('reason',),
+     'Requests neither looked up nor saved because what decides their KV besides token ids '
+     'cannot be named in a key (reason: mm_unidentified, lora_unreadable, error_<exception>)'),
     ("lookup_seconds", "histogram", (),
      'Time of one scheduler lookup over every rank'),
     ("hit_tokens", "counter", ('tier',),
