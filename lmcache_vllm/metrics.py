@@ -178,7 +178,6 @@ class Recorder:
             self._pending_counters: dict[str, dict[str, float]] = {}
             self._pending_obs: dict[str, dict[str, list[float]]] = {}
             self._sent_gauges: dict[str, dict[str, float]] = {}
-            self._tracking = False  # deltas are kept once someone take()s them
 
     # ---- recording ------------------------------------------------------------------------------
     def inc(self, name: str, n: float = 1, **labels: Any) -> None:
@@ -189,9 +188,8 @@ class Recorder:
         with self._lock:
             series = self._counters.setdefault(name, {})
             series[lk] = series.get(lk, 0) + n
-            if self._tracking:
-                pending = self._pending_counters.setdefault(name, {})
-                pending[lk] = pending.get(lk, 0) + n
+            pending = self._pending_counters.setdefault(name, {})
+            pending[lk] = pending.get(lk, 0) + n
 
     def observe(self, name: str, value: float, **labels: Any) -> None:
         d = _definition(name, "histogram")
@@ -205,10 +203,9 @@ class Recorder:
             hist[0] += 1
             hist[1] += value
             hist[2][bisect.bisect_left(d.buckets, value)] += 1
-            if self._tracking:
-                pending = self._pending_obs.setdefault(name, {}).setdefault(lk, [])
-                if len(pending) < _MAX_PENDING_OBSERVATIONS:
-                    pending.append(value)
+            pending = self._pending_obs.setdefault(name, {}).setdefault(lk, [])
+            if len(pending) < _MAX_PENDING_OBSERVATIONS:  # nobody asking (no vLLM): totals only
+                pending.append(value)
 
     @contextmanager
     def timed(self, name: str, **labels: Any) -> Iterator[None]:
@@ -265,13 +262,12 @@ class Recorder:
                 "histograms": hists}
 
     def take(self) -> dict:
-        """What changed since the previous `take()`: counter increments, observations, and gauges whose
-        value changed. The first call starts the tracking (and reports every gauge)."""
+        """What changed since the previous `take()` (or since start): counter increments, observations,
+        and gauges whose value changed (the first call reports every gauge)."""
         gauges = self._gauges()
         with self._lock:
             counters, self._pending_counters = self._pending_counters, {}
             obs, self._pending_obs = self._pending_obs, {}
-            self._tracking = True
             changed: dict[str, dict[str, dict[str, float]]] = {}
             for name, series in gauges.items():
                 sent = self._sent_gauges.setdefault(name, {})

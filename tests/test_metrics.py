@@ -38,9 +38,9 @@ def test_wrong_names_kinds_and_labels_are_errors():
 
 def test_take_gives_changes_since_last_take():
     rec = Recorder(source="w0")
-    rec.inc("stored_tokens", 100)  # before the first take: totals only
+    rec.inc("stored_tokens", 100)  # before the first take (a server's first request): not lost
     first = rec.take()
-    assert first["counters"] == {}
+    assert first["counters"] == {"stored_tokens": {"": 100}}
     rec.inc("stored_tokens", 256)
     rec.observe("store_seconds", 0.5)
     delta = rec.take()
