@@ -59,6 +59,11 @@ class ExtraConfig:
     # Operations
     reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
                                              "L2 and L3 (shared with other instances); false: only L1")
+    # Cache keys
+    cache_namespace: Optional[str] = setting(None, "goes into every key's model fingerprint (and its readable "
+                                                   "name): servers with other namespaces never share chunks; "
+                                                   "set it for what the fingerprint cannot see (weights "
+                                                   "changed in place at the same size)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 

@@ -87,7 +87,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("failed_stores", "requests", "Stores of a request that failed with an error; its chunks stay "
        "uncached"),
     _c("stores_skipped_after_failed_load", "requests", "Saves skipped because the request's load failed "
-       "in the same step (KV computed past a hole is not kept)"),
+       "in the same step, on this or another TP rank (KV computed past a hole is not kept)"),
+    _c("loads_failed_on_other_rank", "requests", "Loads that succeeded on this TP rank but failed on "
+       "another; the request saves nothing in that step on any rank"),
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),

@@ -1,6 +1,8 @@
 """WorkerHalf on plain tensors with a real CacheEngine: background saves, draining, load after save."""
 import threading
 
+import pytest
+
 import torch
 
 from lmcache_vllm import metrics
@@ -127,4 +129,83 @@ def test_reset_command_empties_l1_after_pending_saves(tmp_path):
         assert client.lookup(tokens) == (2 * CHUNK, ("local_cpu", "local_cpu"))
     finally:
         client.close()
+
+
+def _failure_step(worker, tokens, new_tokens, load_blocks, save_blocks, layerwise=False):
+    """One step: load the stored `tokens`, then save `tokens + new_tokens` (the chunks after the load)."""
+    meta = LMCacheConnectorMetadata(
+        loads=[LoadSpec(req_id="r", token_ids=tokens, block_ids=load_blocks, skip_leading=0,
+                        load_end=len(tokens))],
+        saves=[SaveSpec(req_id="r", token_ids=tokens + new_tokens, block_ids=save_blocks,
+                        skip_leading=len(tokens), is_last=True)])
+    _run_step(worker, meta, layerwise)
+    return meta
+
+
+def _run_step(worker, meta, layerwise):
+    """The worker-side calls of one vLLM step, in vLLM's order."""
+    worker.begin_step()
+    if meta.loads:
+        worker.start_load_kv(meta)
+    if layerwise:
+        for name in worker.layer_index:
+            worker.wait_for_layer_load(name)
+            if meta.saves:
+                worker.save_kv_layer(meta, name)
+    worker.wait_for_save(meta)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_load_failed_on_another_tp_rank_stops_this_ranks_saves(layerwise):
+    """The agreement stands in for the TP all-reduce (tested for real in tests/e2e/test_keys_tp.py): the
+    load succeeded on this rank, failed on another; KV computed on top of it must not be stored here."""
+    caches = make_caches(True, seed=6)
+    votes = []
+
+    def other_rank_failed(flags):
+        votes.append(list(flags))
+        return [True] * len(flags)
+
+    engine = make_engine(use_layerwise=layerwise)
+    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=layerwise,
+                        lookup_address=None, async_save=False, failure_agreement=other_rank_failed)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        tokens, new = list(range(700, 700 + CHUNK)), list(range(9000, 9000 + CHUNK))
+        assert engine.store(tokens, caches, torch.arange(CHUNK)) == CHUNK
+        _failure_step(worker, tokens, new, [0, 1], list(range(4)), layerwise)
+        assert votes == [[False]]  # this rank's own load was fine
+        assert worker.take_load_errors() == set()  # the failing rank reports its blocks, not this one
+        assert engine.lookup(tokens + new) == CHUNK  # the chunk after the load was not stored
+        assert metrics.value("loads_failed_on_other_rank") == 1
+        assert metrics.value("stores_skipped_after_failed_load") == 1
+        # A step without loads does not vote, and saves as usual.
+        _run_step(worker, _save_meta(tokens + new, list(range(4))), layerwise)
+        assert votes == [[False]] and engine.lookup(tokens + new) == 2 * CHUNK
+    finally:
+        worker.shutdown()
+
+
+def test_layerwise_load_failing_at_a_later_layer_is_a_failed_load():
+    caches = make_caches(True, seed=7)
+    engine = make_engine(use_layerwise=True)
+    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=True,
+                        lookup_address=None, async_save=False)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        tokens, new = list(range(800, 800 + CHUNK)), list(range(9100, 9100 + CHUNK))
+        assert engine.store(tokens, caches, torch.arange(CHUNK)) == CHUNK
+        real_scatter = engine.layout.scatter_layer
+
+        def scatter_fails_at_layer_1(chunk, layer, *args):
+            if layer == 1:
+                raise RuntimeError("copy failed")
+            return real_scatter(chunk, layer, *args)
+
+        engine.layout.scatter_layer = scatter_fails_at_layer_1
+        _failure_step(worker, tokens, new, [8, 9], [8, 9, 10, 11], layerwise=True)
+        assert worker.take_load_errors() == {8, 9}  # the whole loaded range is recomputed
+        assert engine.lookup(tokens + new) == CHUNK  # and nothing computed on top of it is stored
+        assert metrics.value("failed_load_tokens") == CHUNK
+    finally:
         worker.shutdown()

@@ -42,8 +42,11 @@ STABLE = [
     ("failed_stores", "counter", (),
      'Stores of a request that failed with an error; its chunks stay uncached'),
     ("stores_skipped_after_failed_load", "counter", (),
-     "Saves skipped because the request's load failed in the same step (KV computed past a "
-     'hole is not kept)'),
+     "Saves skipped because the request's load failed in the same step, on this or another TP "
+     'rank (KV computed past a hole is not kept)'),
+    ("loads_failed_on_other_rank", "counter", (),
+     'Loads that succeeded on this TP rank but failed on another; the request saves nothing in '
+     'that step on any rank'),
     ("shape_mismatches", "counter", (),
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),

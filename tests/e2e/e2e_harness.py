@@ -54,15 +54,30 @@ def assert_repeat_hit(run: dict, ref: dict, cold_phase: str, warm_phase: str, pr
     assert_like_with_like(warm, phase(ref, ref_prefix + warm_phase)[0], what=warm_phase)
 
 
-def chunk_files(disk_dir: Path, model: str, tokens: list[int]) -> list[Path]:
-    """The L2 files holding the whole chunks of `tokens` (rank 0 of 1, bf16), in chunk order."""
-    from lmcache_vllm.storage.codec import FORMAT_VERSION
-    from lmcache_vllm.storage.local_disk import filename_for
-    from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
+def chunk_keys(stored: list[str], tokens: list[int], rank: int = 0) -> list[str]:
+    """The key strings among `stored` that hold the whole chunks of `tokens` (plain text) on TP rank `rank`,
+    in chunk order. Matched by digest: the model part of a key is a fingerprint the server computes
+    (`integration/vllm/fingerprint.py`), which a test need not recompute."""
+    from lmcache_vllm.tokens import CacheKey, ChunkHasher
 
-    keys = KeyBuilder(model=model, world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=FORMAT_VERSION,
-                      hasher=ChunkHasher(CHUNK)).keys(tokens)
-    return [disk_dir / filename_for(key.to_str()) for key, _, _ in keys]
+    by_digest = {}
+    for s in stored:
+        key = CacheKey.from_str(s)
+        if key.rank == rank:
+            by_digest[key.digest] = s
+    digests = ChunkHasher(CHUNK).digests(tokens)
+    missing = [i for i, d in enumerate(digests) if d not in by_digest]
+    if missing:
+        raise AssertionError(f"chunks {missing} of the prompt are not stored on rank {rank}")
+    return [by_digest[d] for d in digests]
+
+
+def chunk_files(disk_dir: Path, tokens: list[int], rank: int = 0) -> list[Path]:
+    """The L2 files holding the whole chunks of `tokens` (TP rank `rank`), in chunk order."""
+    from lmcache_vllm.storage.local_disk import SUFFIX, _key_from_filename, filename_for
+
+    stored = [k for k in (_key_from_filename(p.name) for p in disk_dir.glob(f"*{SUFFIX}")) if k]
+    return [disk_dir / filename_for(key) for key in chunk_keys(stored, tokens, rank)]
 
 
 def flip_payload_bytes(path: Path) -> None:

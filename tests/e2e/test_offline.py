@@ -112,8 +112,8 @@ def main_run(tiny_model, work, disk_dir):
 
 @pytest.fixture(scope="module")
 def fresh_run(tiny_model, work, disk_dir, main_run):
-    corrupt_files = h.chunk_files(disk_dir, tiny_model, CORRUPT)
-    tamper_files = h.chunk_files(disk_dir, tiny_model, TAMPER)
+    corrupt_files = h.chunk_files(disk_dir, CORRUPT)
+    tamper_files = h.chunk_files(disk_dir, TAMPER)
     for path in corrupt_files + tamper_files:
         assert path.exists(), f"main run did not write {path.name} to disk"
     h.flip_payload_bytes(corrupt_files[1])  # chunk 0 loads, chunk 1 fails its checksum

@@ -53,13 +53,11 @@ def redis_client(redis_server):
     return redis.Redis.from_url(redis_server.url)
 
 
-def redis_key(config: dict[str, Any], model: str, tokens: list[int], chunk: int) -> str:
-    from lmcache_vllm.storage.codec import FORMAT_VERSION
-    from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
-
-    keys = KeyBuilder(model=model, world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=FORMAT_VERSION,
-                      hasher=ChunkHasher(h.CHUNK)).keys(tokens)
-    return config["extra_config"]["remote_key_prefix"] + keys[chunk][0].to_str()
+def redis_key(client, config: dict[str, Any], tokens: list[int], chunk: int) -> str:
+    """The Redis key of whole chunk `chunk` of `tokens`, found among the stored keys by its digest."""
+    prefix = config["extra_config"]["remote_key_prefix"]
+    stored = [k.decode()[len(prefix):] for k in client.scan_iter(match=prefix + "*")]
+    return prefix + h.chunk_keys(stored, tokens)[chunk]
 
 
 def _decodes(value: bytes) -> str:
@@ -105,9 +103,8 @@ def reader(tiny_model, work, redis_server, redis_config, writer):
     try:
         for tokens in (LONG, GARBLED):
             for chunk in range(len(tokens) // h.CHUNK):
-                key = redis_key(redis_config, tiny_model, tokens, chunk)
-                assert client.exists(key), f"process A did not store chunk {chunk} in Redis"
-        garbage_key = redis_key(redis_config, tiny_model, GARBLED, 0)
+                redis_key(client, redis_config, tokens, chunk)  # process A stored every whole chunk
+        garbage_key = redis_key(client, redis_config, GARBLED, 0)
         client.set(garbage_key, GARBAGE)
     finally:
         client.close()

@@ -64,13 +64,8 @@ def redis_keys(redis_server, config) -> list[str]:
         client.close()
 
 
-def chunk_key(model: str, tokens: list[int], chunk: int, rank: int) -> str:
-    from lmcache_vllm.storage.codec import FORMAT_VERSION
-    from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
-
-    keys = KeyBuilder(model=model, world_size=TP, rank=rank, kv_dtype="bfloat16", fmt_version=FORMAT_VERSION,
-                      hasher=ChunkHasher(h.CHUNK)).keys(tokens)
-    return keys[chunk][0].to_str()
+def chunk_key(stored: list[str], tokens: list[int], chunk: int, rank: int) -> str:
+    return h.chunk_keys(stored, tokens, rank)[chunk]
 
 
 def main_job(model: str, config: dict[str, Any] | None, r_prompt: list[int] = R) -> dict[str, Any]:
@@ -111,7 +106,7 @@ def fresh_run(tiny_model, work, redis_server, redis_config, keys_after_main):
 
     client = redis.Redis.from_url(redis_server.url)
     try:
-        victim = redis_config["extra_config"]["remote_key_prefix"] + chunk_key(tiny_model, R, 1, rank=1)
+        victim = redis_config["extra_config"]["remote_key_prefix"] + chunk_key(keys_after_main, R, 1, rank=1)
         assert client.delete(victim) == 1, "rank 1's copy of R's second chunk was not in Redis"
     finally:
         client.close()
@@ -123,14 +118,14 @@ def test_tp_repeat_hits_and_matches_tp_reference(main_run, reference):
     h.assert_like_with_like(h.phase(main_run, "cold_q")[0], h.phase(reference, "main/cold_q")[0], what="cold_q")
 
 
-def test_each_rank_stores_its_own_keys(tiny_model, keys_after_main):
+def test_each_rank_stores_its_own_keys(keys_after_main):
     from lmcache_vllm.tokens import CacheKey
 
     parsed = [CacheKey.from_str(k) for k in keys_after_main]
-    assert {k.world_size for k in parsed} == {TP}
+    assert {k.world_size for k in parsed} == {TP} and len({k.fingerprint for k in parsed}) == 1
     per_rank = {rank: sorted(k.to_str() for k in parsed if k.rank == rank) for rank in range(TP)}
     # P, Q and R: 2 whole chunks each, stored once by every rank
-    expected = {rank: sorted(chunk_key(tiny_model, t, c, rank) for t in (P, Q, R) for c in (0, 1))
+    expected = {rank: sorted(chunk_key(keys_after_main, t, c, rank) for t in (P, Q, R) for c in (0, 1))
                 for rank in range(TP)}
     assert per_rank == expected
     # Same tokens, same digest on both ranks; only the rank differs (each rank holds its own shard).

@@ -29,8 +29,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
-from lmcache_vllm.integration.vllm.lookup import LookupClient, lookup_socket_path
+from lmcache_vllm.integration.vllm.fingerprint import model_identity
+from lmcache_vllm.integration.vllm.lookup import LookupClient
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
+from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailureAgreement, check_supported,
+                                                       worker_layout)
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
@@ -56,20 +59,24 @@ _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
 def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor],
-                       rank: int, world_size: int, kv_cache_config: "KVCacheConfig | None" = None):
-    """The `CacheEngine` for one worker rank, keyed by model, KV dtype, TP world size and rank."""
+                       layout: ParallelLayout, kv_cache_config: "KVCacheConfig | None" = None):
+    """The `CacheEngine` for one worker rank, keyed by the model's identity (`fingerprint.py`), KV dtype,
+    TP and PP size and rank."""
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.storage.codec import FORMAT_VERSION
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
-    model_config = vllm_config.model_config
     caches = list(kv_caches.values())
-    layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
-    keys = KeyBuilder(model=str(model_config.model), world_size=world_size, rank=rank,
-                      kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher)
-    return CacheEngine(config, layout, keys)
+    identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace)
+    logger.info("cache keys of this model: %s@%s (fingerprint of its effective config, revision, dtypes, "
+                "weights signature and namespace)", identity.name, identity.fingerprint)
+    keys = KeyBuilder(model=identity.name, world_size=layout.tp_size, rank=layout.tp_rank,
+                      kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher,
+                      fingerprint=identity.fingerprint, pp_size=layout.pp_size, pp_rank=layout.pp_rank)
+    return CacheEngine(config, kv_layout, keys)
 
 
 class LMCacheConnector(KVConnectorBase_V1):
@@ -89,7 +96,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                         transfer.kv_load_failure_policy)
             transfer.kv_load_failure_policy = "recompute"
         block_size = vllm_config.cache_config.block_size
-        world_size = vllm_config.parallel_config.tensor_parallel_size
+        sizes = check_supported(vllm_config)  # PP / DCP / PCP > 1: refused here, with the reason
+        world_size = sizes.tp_size
         instance_id = str(transfer.engine_id)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -97,26 +105,24 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._events = SchedulerEvents(world_size) if (
             self.config.enable_kv_events and role == KVConnectorRole.SCHEDULER) else None
         if role == KVConnectorRole.SCHEDULER:
-            client = LookupClient([lookup_socket_path(instance_id, r) for r in range(world_size)],
-                                  timeout_ms=self.config.lookup_timeout_ms)
+            client = LookupClient(sizes.lookup_addresses(instance_id), timeout_ms=self.config.lookup_timeout_ms)
             self._scheduler = SchedulerHalf(
                 chunk_size=self.config.chunk_size, block_size=block_size, lookup_client=client,
                 can_load=self.can_load, can_save=self.can_save,
                 save_unfull_chunk=self.config.save_unfull_chunk,
                 save_decode_cache=self.config.save_decode_cache)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank() if world_size > 1 else 0
-            metrics.set_primary(rank == 0)  # per-engine counts (tokens) come from rank 0 only
+            layout = worker_layout(vllm_config)
+            metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
             config = self.config
             self._worker = WorkerHalf(
-                engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, rank,
-                                                                 world_size, kv_cache_config),
+                engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, layout,
+                                                                 kv_cache_config),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
                 async_save=self.config.extra_config.async_save,
-                lookup_address=lookup_socket_path(instance_id, rank) if self.can_load else None,
-                max_lookup_tokens=vllm_config.model_config.max_model_len)
+                lookup_address=layout.lookup_address(instance_id) if self.can_load else None,
+                max_lookup_tokens=vllm_config.model_config.max_model_len,
+                failure_agreement=TPFailureAgreement(layout.tp_size))
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)

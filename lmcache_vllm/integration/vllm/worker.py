@@ -13,8 +13,11 @@ It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache
   pending saves that share its first chunk, so a prompt sent right after another still finds what that
   one stored (and an unrelated prompt does not wait);
 - tokens that could not be loaded are reported by block id through `get_block_ids_with_load_errors`,
-  and vLLM recomputes them. A request whose load failed in a step saves nothing in that step, so KV
-  computed on top of a hole is never stored.
+  and vLLM recomputes them (vLLM unites the block ids of all ranks). A request whose load failed in a
+  step saves nothing in that step, so KV computed on top of a hole is never stored; with tensor
+  parallelism the ranks first agree (`failure_agreement`, see `parallelism.TPFailureAgreement`), since a
+  hole on one rank corrupts the all-reduced activations, and so the KV, of every rank. A layerwise load
+  that fails at a later layer counts as a failure of its whole range.
 On a GPU (`layouts.streams`): loads are enqueued on vLLM's current stream, so they run before the
 attention that reads them; saves copy on a side stream that first waits for an event recorded on vLLM's
 stream in `wait_for_save` (layerwise: in `save_kv_layer`), so they read the KV the forward wrote; a step
@@ -49,11 +52,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _StepState:
-    """Per-step layerwise generators and the requests whose load failed this step."""
+    """Per-step layerwise generators (with their request) and the requests whose load failed."""
 
-    retrievers: list[Generator] = field(default_factory=list)
-    storers: list[Generator] = field(default_factory=list)
+    retrievers: list[tuple[LoadSpec, torch.Tensor, Generator]] = field(default_factory=list)
+    storers: list[tuple[str, Generator]] = field(default_factory=list)
     failed_loads: set[str] = field(default_factory=set)
+    agreed: bool = False  # failed_loads holds every rank's failures
     next_layer_to_load: int = 0
 
 
@@ -61,16 +65,19 @@ class WorkerHalf:
     """Implements the worker-side methods of `KVConnectorBase_V1` for `LMCacheConnector`.
 
     `engine_factory(kv_caches: dict[layer name, Tensor]) -> CacheEngine` builds the engine once the KV cache
-    tensors exist; `lookup_address` is where this rank serves lookups (None: no server).
+    tensors exist; `lookup_address` is where this rank serves lookups (None: no server);
+    `failure_agreement(failed per load) -> failed on any rank per load` (identity without TP).
     """
 
     def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
-                 lookup_address: str | None, async_save: bool = True, max_lookup_tokens: int = 1 << 20):
+                 lookup_address: str | None, async_save: bool = True, max_lookup_tokens: int = 1 << 20,
+                 failure_agreement: Callable[[list[bool]], list[bool]] | None = None):
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.use_layerwise = use_layerwise
         self.lookup_address = lookup_address
         self.max_lookup_tokens = max_lookup_tokens
+        self._agree = failure_agreement or list
         self.engine = None
         self.lookup_server: LookupServer | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -204,7 +211,7 @@ class WorkerHalf:
             if self.use_layerwise:
                 retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
                 loaded = next(retriever)
-                self._step.retrievers.append(retriever)
+                self._step.retrievers.append((spec, torch.as_tensor(loaded, dtype=torch.bool), retriever))
             else:
                 loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
         except Exception:
@@ -212,15 +219,20 @@ class WorkerHalf:
                       exc_info=True)
             loaded = torch.zeros(num, dtype=torch.bool)
         missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
+        self._fail_load(spec, missing, int(wanted.sum()))
+
+    def _fail_load(self, spec: LoadSpec, missing: torch.Tensor, wanted: int) -> None:
+        """Reports the blocks of `missing` tokens to vLLM (recompute) and stops the request's saves."""
         num_missing = int(missing.sum())
-        if num_missing:
-            positions = torch.nonzero(missing).flatten().tolist()
-            bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
-            self._load_errors.update(bad_blocks)
-            self._step.failed_loads.add(spec.req_id)
-            metrics.inc("failed_load_tokens", num_missing)
-            logs.warn(logger, "load_incomplete", "request %s: %d of %d tokens could not be loaded; %d blocks "
-                      "reported for recompute", spec.req_id, num_missing, int(wanted.sum()), len(bad_blocks))
+        if not num_missing:
+            return
+        positions = torch.nonzero(missing).flatten().tolist()
+        bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
+        self._load_errors.update(bad_blocks)
+        self._step.failed_loads.add(spec.req_id)
+        metrics.inc("failed_load_tokens", num_missing)
+        logs.warn(logger, "load_incomplete", "request %s: %d of %d tokens could not be loaded; %d blocks "
+                  "reported for recompute", spec.req_id, num_missing, wanted, len(bad_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._step.retrievers:
@@ -230,15 +242,18 @@ class WorkerHalf:
             return
         # Layers are visited in order; advance every retriever up to and including `target`.
         while self._step.next_layer_to_load <= target:
-            for retriever in list(self._step.retrievers):
+            for entry in list(self._step.retrievers):
+                spec, loaded, retriever = entry
                 try:
                     next(retriever)
                 except StopIteration:
-                    self._step.retrievers.remove(retriever)
+                    self._step.retrievers.remove(entry)
                 except Exception:
-                    logs.warn(logger, "load_failed", "layerwise load failed at layer %d",
+                    # Earlier layers got their KV, this and later ones did not: the whole range is a hole.
+                    logs.warn(logger, "load_failed", "request %s: layerwise load failed at layer %d", spec.req_id,
                               self._step.next_layer_to_load, exc_info=True)
-                    self._step.retrievers.remove(retriever)
+                    self._step.retrievers.remove(entry)
+                    self._fail_load(spec, loaded, int(loaded.sum()))
             self._step.next_layer_to_load += 1
 
     def save_kv_layer(self, meta: LMCacheConnectorMetadata, layer_name: str) -> None:
@@ -248,20 +263,20 @@ class WorkerHalf:
         if layer is None:
             return
         if layer == 0:
-            self._step.storers = [self._start_layerwise_store(spec) for spec in self._saves(meta)]
-            self._step.storers = [s for s in self._step.storers if s is not None]
+            started = [(spec.req_id, self._start_layerwise_store(spec)) for spec in self._saves(meta)]
+            self._step.storers = [(req_id, s) for req_id, s in started if s is not None]
         # This layer's KV was written by work vLLM enqueued so far: copy it out after that, on the side stream.
         mark = self._side.mark() if self._step.storers else None
-        for storer in list(self._step.storers):
+        for entry in list(self._step.storers):
             try:
                 with self._side.after(mark):
-                    next(storer)
+                    next(entry[1])
             except StopIteration:
-                self._step.storers.remove(storer)
+                self._step.storers.remove(entry)
             except Exception:
                 logs.warn(logger, "store_failed", "layerwise store failed at layer %d", layer, exc_info=True)
                 metrics.inc("failed_stores")
-                self._step.storers.remove(storer)
+                self._step.storers.remove(entry)
 
     def _start_layerwise_store(self, spec: SaveSpec):
         try:
@@ -278,9 +293,14 @@ class WorkerHalf:
         if self._step.retrievers:
             # Layers the forward never announced still get their KV before the step ends.
             self.wait_for_layer_load(next(reversed(self.layer_index)))
+        self._agree_on_failed_loads(meta)
         if self.use_layerwise:
             with self._side.after(None):  # the commit waits for this step's layer copies on the side stream
-                for storer in self._step.storers:
+                for req_id, storer in self._step.storers:
+                    if req_id in self._step.failed_loads:  # failed on another rank: never committed
+                        storer.close()
+                        metrics.inc("stores_skipped_after_failed_load")
+                        continue
                     self._finish_store(storer)
             self._step.storers = []
             return
@@ -316,6 +336,26 @@ class WorkerHalf:
         except Exception:
             logs.warn(logger, "store_failed", "layerwise store failed while committing", exc_info=True)
             metrics.inc("failed_stores")
+
+    def _agree_on_failed_loads(self, meta: LMCacheConnectorMetadata) -> None:
+        """Once per step with loads and saves (the same steps on every rank: the metadata is identical),
+        learns which loads failed on any tensor-parallel rank."""
+        if self._step.agreed or not (meta.loads and meta.saves):
+            return
+        self._step.agreed = True
+        mine = [spec.req_id in self._step.failed_loads for spec in meta.loads]
+        try:
+            anywhere = self._agree(mine)
+        except Exception:
+            logs.warn(logger, "tp_agreement_failed", "TP ranks could not agree on failed loads; this step's "
+                      "loaded requests save nothing", exc_info=True)
+            anywhere = [True] * len(mine)
+        for spec, here, there in zip(meta.loads, mine, anywhere):
+            if there and not here:
+                self._step.failed_loads.add(spec.req_id)
+                metrics.inc("loads_failed_on_other_rank")
+                logs.warn(logger, "load_failed_on_other_rank", "request %s: its load failed on another "
+                          "tensor-parallel rank; it saves nothing this step", spec.req_id)
 
     def _saves(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
         saves = []
