@@ -14,19 +14,18 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 import e2e_harness as h
+from lmcache_vllm.testing.openai_server import launcher as _launcher
+from lmcache_vllm.testing.openai_server import post as _post
+from lmcache_vllm.testing.openai_server import serve
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -34,64 +33,15 @@ pytestmark = pytest.mark.e2e
 PROMPT = h.random_tokens(40, 600)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launcher() -> list[str]:
-    script = Path(sys.executable).with_name("lmcache-vllm")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_vllm.cli"]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"server not healthy after {timeout_s}s:\n{log.read_text()[-6000:]}")
-
-
 @contextlib.contextmanager
 def _serve(tmp: Path, model: str, extra: dict, args: tuple[str, ...] = ()):
     """`lmcache-vllm serve` with our connector (config `extra`); yields (base URL, log path)."""
-    port = _free_port()
-    log = tmp / f"serve-{port}.log"
-    cmd = [*_launcher(), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-           "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--kv-transfer-config", json.dumps(h.connector(extra)), *args]
+    server_args = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
+                   "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+                   "--kv-transfer-config", json.dumps(h.connector(extra)), *args]
     env = dict(h.vllm_env(tmp, multiprocessing=True), VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=h.REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(base, proc, log)
+    with serve(model, server_args, tmp, env) as (base, log):
         yield base, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # the server's own session, started above
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
