@@ -11,6 +11,9 @@ Ratios > 1 mean lmcache-vllm is faster. Targets: cold read >= 1.5x LMCache, writ
 Our backend writes with O_DIRECT by default (no page cache: far less CPU per byte, bounded by the
 device); it is measured a second time with `disk_direct_io: false`, like the plain baseline, which
 writes into the page cache. Write CPU seconds per GiB are reported for all three.
+With `--mac` the O_DIRECT configuration runs a third time with a keyed chunk MAC (`extra_config.
+chunk_mac_key`: keyed BLAKE3 over header and payload on every write and read) and its write / cold read
+GB/s are reported as ratios to the same backend without MAC (1.0 = free).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import _common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
+from lmcache_vllm.storage.codec import ChunkMac  # noqa: E402
 from lmcache_vllm.storage.local_disk import LocalDiskBackend  # noqa: E402
 
 
@@ -48,6 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--vs-lmcache", metavar="PYTHON", default=None)
+    parser.add_argument("--mac", action="store_true", help="also measure with a keyed chunk MAC")
 
 
 def main() -> None:
@@ -90,7 +95,7 @@ def main() -> None:
     shutil.rmtree(plain_dir, ignore_errors=True)
 
     # ---- our backend: O_DIRECT writes (the default), then through the page cache ----
-    def measure_ours(direct_io: bool):
+    def measure_ours(direct_io: bool, mac: ChunkMac | None = None):
         loop = asyncio.new_event_loop()
         state = {}
 
@@ -99,7 +104,8 @@ def main() -> None:
                 loop.run_until_complete(state["disk"].close())
             shutil.rmtree(ours_dir, ignore_errors=True)
             os.sync()
-            state["disk"] = LocalDiskBackend(ours_dir, 4 * total, io_threads=args.io_threads, direct_io=direct_io)
+            state["disk"] = LocalDiskBackend(ours_dir, 4 * total, io_threads=args.io_threads, direct_io=direct_io,
+                                             mac=mac)
 
         def write():
             async def run():
@@ -133,6 +139,11 @@ def main() -> None:
 
     ours_write_s, ours_read_s, ours_write_cpu, used_direct = measure_ours(True)
     buffered_write_s, _, buffered_write_cpu, _ = measure_ours(False)
+    if args.mac:
+        mac_write_s, mac_read_s, _, _ = measure_ours(True, ChunkMac("benchmark secret"))
+        results.update(mac_write_gbps=_common.gbps(total, mac_write_s), mac_cold_read_gbps=_common.gbps(total, mac_read_s),
+                       mac_write_vs_no_mac_ratio=ours_write_s / mac_write_s,
+                       mac_cold_read_vs_no_mac_ratio=ours_read_s / mac_read_s)
 
     results.update({
         "plain_write_gbps": _common.gbps(total, plain_write_s),
@@ -153,6 +164,8 @@ def main() -> None:
             ("lmcache-vllm LocalDiskBackend" + (" (O_DIRECT)" if used_direct else ""), results["ours_write_gbps"],
              results["ours_cold_read_gbps"]),
             ("lmcache-vllm, disk_direct_io: false", results["ours_page_cache_write_gbps"], float("nan"))]
+    if args.mac:
+        rows.append(("lmcache-vllm with chunk MAC", results["mac_write_gbps"], results["mac_cold_read_gbps"]))
 
     if args.vs_lmcache:
         peer = _common.run_peer(os.path.abspath(args.vs_lmcache), "lmcache_disk_peer.py", [

@@ -7,7 +7,9 @@ same bytes, with the same client library (redis-py asyncio + hiredis):
 Our get = pipelined MGETs of 8 keys on one connection, each batch's copy into allocator memory +
 header/checksum verification done on a decode thread while the next replies arrive; our put = codec encode + one
 SET per chunk (concurrently). Ratios > 1 mean lmcache-vllm is faster; the get target is >= 0.9x the best
-raw read path, which does none of that work.
+raw read path, which does none of that work. With `--mac` our backend also runs with a keyed chunk MAC
+(keyed BLAKE3 over header and payload on every put and get) and reports put / get against itself
+without MAC (1.0 = free).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk-mib", type=float, default=None, help="MiB per chunk (default 4, quick 2)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--read-groups", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--mac", action="store_true", help="also measure with a keyed chunk MAC")
 
 
 def start_redis(workdir: str):
@@ -115,8 +118,10 @@ async def run(args, url: str) -> dict:
     res["raw_mget_4conn_gbps"] = _common.gbps(total, await best(raw_mget_split))
     await raw.flushdb()
 
-    for groups in args.read_groups:
-        backend = RedisBackend(url, prefix="ours:", read_groups=groups, timeout_secs=30.0)
+    async def measure(groups: int, mac: codec.ChunkMac | None = None, with_put: bool = False):
+        """(put GB/s or None, get GB/s) of our backend reading in `groups` groups."""
+        backend = RedisBackend(url, prefix="ours:" if mac is None else "mac:", read_groups=groups,
+                               timeout_secs=30.0, mac=mac)
         held: list = []
 
         async def ours_put():
@@ -133,13 +138,24 @@ async def run(args, url: str) -> dict:
             assert all(o is not None for o in got)
             held.extend(got)
 
-        if groups == args.read_groups[0]:
-            res["ours_put_gbps"] = _common.gbps(total, await best(ours_put))
-        res[f"ours_get_groups{groups}_gbps"] = _common.gbps(total, await best(ours_get, release))
+        put_gbps = _common.gbps(total, await best(ours_put)) if with_put else None
+        get_gbps = _common.gbps(total, await best(ours_get, release))
         if not all(torch.equal(o.tensor, t) for o, t in zip(held, chunks)):
             raise SystemExit("read-back mismatch")
         await release()
         await backend.close()
+        return put_gbps, get_gbps
+
+    for groups in args.read_groups:
+        put_gbps, res[f"ours_get_groups{groups}_gbps"] = await measure(groups, with_put=groups == args.read_groups[0])
+        if put_gbps is not None:
+            res["ours_put_gbps"] = put_gbps
+    if args.mac:  # the same backend with a keyed chunk MAC, against itself without
+        first = args.read_groups[0]
+        res["mac_put_gbps"], res["mac_get_gbps"] = await measure(first, codec.ChunkMac("benchmark secret"),
+                                                                 with_put=True)
+        res["mac_put_vs_no_mac_ratio"] = res["mac_put_gbps"] / res["ours_put_gbps"]
+        res["mac_get_vs_no_mac_ratio"] = res["mac_get_gbps"] / res[f"ours_get_groups{first}_gbps"]
     await raw.flushdb()
     await raw.aclose()
 

@@ -64,6 +64,10 @@ class ExtraConfig:
                                                    "name): servers with other namespaces never share chunks; "
                                                    "set it for what the fingerprint cannot see (weights "
                                                    "changed in place at the same size)")
+    chunk_mac_key: Optional[str] = setting(None, "secret for a keyed MAC (BLAKE3) of every chunk on disk "
+                                                 "and in Redis: chunks without a valid MAC are misses and "
+                                                 "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
+                                                 "variable (vLLM logs kv_connector_extra_config)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 

@@ -111,6 +111,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "down or its breaker open); answered as misses", _T),
     _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
        "were deleted", _T),
+    _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
+       "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
     _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
     _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
     _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "

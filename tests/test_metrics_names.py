@@ -76,6 +76,9 @@ STABLE = [
      'open); answered as misses'),
     ("corrupt_chunks", "counter", ('tier',),
      'Stored chunks that failed their checks (checksum, size, header) and were deleted'),
+    ("unauthenticated_chunks", "counter", (),
+     'Chunks whose keyed MAC did not verify (extra_config.chunk_mac_key set): also counted in '
+     'corrupt_chunks, answered as misses and deleted'),
     ("evictions", "counter", ('tier',),
      'Chunks evicted from a tier to make room (least recently used first)'),
     ("read_alloc_failures", "counter", ('tier',),

@@ -5,6 +5,7 @@ import struct
 import pytest
 import torch
 
+from lmcache_vllm import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.codec import CorruptEntry
@@ -90,3 +91,28 @@ def test_unknown_dtype_and_long_key_refused():
         codec.encode_header(KEY, torch.zeros(4, dtype=torch.complex64))
     with pytest.raises(ValueError):
         codec.encode_header("k" * (codec.MAX_KEY_BYTES + 1), _tensor())
+
+
+def test_keyed_mac_authenticates_header_and_payload():
+    mac = codec.ChunkMac("tenant secret")
+    tensor = _tensor()
+    signed = bytes(codec.encode(KEY, tensor, mac=mac))
+    arena = HostAllocator(1 << 20)
+    alloc = lambda shape, dtype: arena.allocate(shape, dtype)  # noqa: E731
+    for reader_mac in (mac, None):  # a reader without a secret ignores the MAC
+        obj = codec.decode(signed, KEY, alloc, mac=reader_mac)
+        assert torch.equal(obj.tensor, tensor)
+        obj.ref_down()
+    unsigned = bytes(codec.encode(KEY, tensor))
+    other_secret = bytes(codec.encode(KEY, tensor, mac=codec.ChunkMac("another secret")))
+    # A planted chunk with a valid checksum: payload replaced and both checksums recomputed.
+    fake = _tensor() + 1
+    planted = codec.encode_header(KEY, fake) + bytes(codec.payload_view(fake))
+    for bad in (unsigned, other_secret, planted):
+        with pytest.raises(codec.UnauthenticatedEntry):
+            codec.decode(bad, KEY, alloc, mac=mac)
+    assert metrics.value("unauthenticated_chunks") == 3 and arena.used_bytes == 0
+    assert mac.key_id == codec.ChunkMac("tenant secret").key_id != codec.ChunkMac("another secret").key_id
+    assert "tenant" not in mac.key_id
+    with pytest.raises(ValueError):
+        codec.ChunkMac("")

@@ -246,3 +246,21 @@ async def test_object_off_a_page_is_written_through_the_page_cache(tmp_path, all
     got.ref_down()
     small.ref_down()
     await disk.close()
+
+
+async def test_keyed_mac_files_of_another_writer_are_misses_and_deleted(tmp_path, alloc, make_chunk):
+    mac = codec.ChunkMac("fleet secret")
+    src = make_chunk(3, CHUNK)
+    signed = LocalDiskBackend(str(tmp_path), 1 << 20, mac=mac)
+    unsigned = LocalDiskBackend(str(tmp_path), 1 << 20)
+    assert await signed.put(key(1), obj_of(src))
+    assert await unsigned.put(key(2), obj_of(src))  # e.g. planted by someone without the secret
+    got = await signed.get(key(1), alloc)
+    assert torch.equal(got.tensor, src)
+    got.ref_down()
+    assert await signed.get(key(2), alloc) is None
+    assert not (tmp_path / filename_for(key(2))).exists()
+    assert metrics.value("unauthenticated_chunks") == 1
+    assert metrics.value("corrupt_chunks", tier="local_disk") == 1
+    for disk in (signed, unsigned):
+        await disk.close()

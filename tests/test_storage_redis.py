@@ -184,3 +184,22 @@ async def test_pipelined_batches_cancel_and_reuse(redis_server, redis_prefix, al
                 assert torch.equal(obj.tensor, chunks[i])
                 obj.ref_down()
     await backend.close()
+
+
+async def test_keyed_mac_values_of_another_writer_are_misses_and_deleted(redis_server, redis_prefix,
+                                                                         allocator, make_chunk):
+    mac = codec.ChunkMac("fleet secret")
+    signed = RedisBackend(redis_server.url, prefix=redis_prefix, mac=mac)
+    other = RedisBackend(redis_server.url, prefix=redis_prefix, mac=codec.ChunkMac("someone else's"))
+    src = make_chunk(4, CHUNK)
+    for backend, i in ((signed, 1), (other, 2)):
+        obj = obj_of(allocator, src)
+        assert await backend.put(key(i), obj)
+        obj.ref_down()
+    got = await signed.get_many([key(1), key(2)], alloc_fn(allocator))
+    assert torch.equal(got[0].tensor, src) and got[1] is None
+    got[0].ref_down()
+    assert await signed.contains([key(2)]) == [False]  # deleted
+    assert metrics.value("unauthenticated_chunks") == 1
+    for backend in (signed, other):
+        await backend.close()

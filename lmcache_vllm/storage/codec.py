@@ -3,7 +3,8 @@
 Layout (little-endian):
 
     fixed part  magic b"LMCV" | format u16 | dtype code u16 | key length u32 | ndim u32 |
-                header length u32 | payload length u64 | payload xxh3_64 u64 | header xxh32 u32
+                header length u32 | payload length u64 | payload xxh3_64 u64 | MAC 32 bytes |
+                header xxh32 u32
     key         UTF-8 bytes of the key string
     shape       ndim x u64
     padding     zeros up to `header length` (disk files pad to 4 KiB so payloads start page-aligned)
@@ -15,6 +16,15 @@ percent of disk or network bandwidth). Decoding checks magic, format, dtype, key
 payload length, both checksums and the bytes actually present; any mismatch raises `CorruptEntry`, which
 callers turn into a miss plus removal of the entry. Nothing here unpickles or evaluates anything.
 
+Keyed MAC (optional, `ChunkMac`): a checksum only catches accidents; anyone who can write to a shared
+Redis or disk directory can plant a chunk that validates. With a secret configured
+(`extra_config.chunk_mac_key` or the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable), writers fill
+the MAC field with keyed BLAKE3 (key derived from the secret) over the header, MAC field zeroed, and
+the payload; readers with a secret reject (`UnauthenticatedEntry`, a `CorruptEntry`: a counted miss,
+the entry is deleted) any chunk whose MAC does not verify, all-zero MACs of writers without a secret
+included. Readers without a secret ignore the field. Format 2 added the field; format-1 entries are
+not read (another format version).
+
 `decode_into` copies a payload into a preallocated tensor with `ctypes.memmove`, which releases the GIL
 (as xxh3 does), so decoding on a worker thread overlaps the event loop's socket reads; `payload_view`
 exposes a tensor's bytes so readers (`os.preadv`) can fill a `MemoryObj` without an intermediate buffer.
@@ -23,6 +33,7 @@ exposes a tensor's bytes so readers (`os.preadv`) can fill a `MemoryObj` without
 from __future__ import annotations
 
 import ctypes
+import hmac
 import math
 import struct
 from dataclasses import dataclass
@@ -32,9 +43,15 @@ import numpy as np
 import torch
 import xxhash
 
+from lmcache_vllm import metrics
+
 MAGIC = b"LMCV"
-FORMAT_VERSION = 1
-_FIXED = struct.Struct("<4sHHIIIQQ")  # magic, fmt, dtype, key_len, ndim, header_len, payload_len, xxh3
+FORMAT_VERSION = 2
+MAC_SIZE = 32
+_NO_MAC = bytes(MAC_SIZE)
+# magic, fmt, dtype, key_len, ndim, header_len, payload_len, xxh3, MAC
+_FIXED = struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}s")
+_MAC_OFFSET = _FIXED.size - MAC_SIZE
 _HEADER_SUM = struct.Struct("<I")
 FIXED_SIZE = _FIXED.size + _HEADER_SUM.size
 # A key longer than this is refused on encode and treated as corrupt on decode (bounds header reads).
@@ -59,6 +76,30 @@ class CorruptEntry(ValueError):
     """Stored bytes are not a valid chunk for the expected key (bad header, checksum, or truncated)."""
 
 
+class UnauthenticatedEntry(CorruptEntry):
+    """A chunk whose keyed MAC does not verify (written without our secret, or altered)."""
+
+
+class ChunkMac:
+    """Keyed BLAKE3 over a chunk's header (MAC field zeroed) and payload, from a secret of any length."""
+
+    def __init__(self, secret: str | bytes):
+        import blake3
+
+        material = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if not material:
+            raise ValueError("the chunk MAC secret is empty")
+        self._blake3 = blake3.blake3
+        self._key = blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac v1").digest()
+        # Safe to show (in keys, logs): names which secret, reveals nothing of it.
+        self.key_id = blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac key id").hexdigest()[:16]
+
+    def compute(self, signed_header: bytes, payload) -> bytes:
+        h = self._blake3(signed_header, key=self._key)
+        h.update(payload)
+        return h.digest()
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     key: str
@@ -67,6 +108,8 @@ class ChunkHeader:
     header_len: int
     payload_len: int
     checksum: int
+    mac: bytes = _NO_MAC
+    signed_header: bytes = b""  # the header bytes the MAC covers (fixed part with the MAC zeroed + body)
 
 
 def payload_view(tensor: torch.Tensor) -> memoryview:
@@ -91,8 +134,9 @@ def header_size(key: str, ndim: int, align: int = 1) -> int:
 
 
 def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
-                  payload_checksum: Optional[int] = None) -> bytes:
-    """Header for `tensor` stored under `key`, padded to a multiple of `align` bytes."""
+                  payload_checksum: Optional[int] = None, mac: Optional[ChunkMac] = None) -> bytes:
+    """Header for `tensor` stored under `key`, padded to a multiple of `align` bytes; with `mac`, its MAC
+    field authenticates header and payload."""
     if tensor.dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype {tensor.dtype} has no stored-format code")
     key_bytes = key.encode("utf-8")
@@ -106,17 +150,20 @@ def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
     shape = tuple(tensor.shape)
     body = key_bytes + struct.pack(f"<{len(shape)}Q", *shape)
     header_len = _align_up(FIXED_SIZE + len(body), align)
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODES[tensor.dtype], len(key_bytes), len(shape),
-                        header_len, payload.nbytes, payload_checksum)
+    fields = (MAGIC, FORMAT_VERSION, _DTYPE_CODES[tensor.dtype], len(key_bytes), len(shape), header_len,
+              payload.nbytes, payload_checksum)
+    fixed = _FIXED.pack(*fields, _NO_MAC)
+    if mac is not None:
+        fixed = _FIXED.pack(*fields, mac.compute(fixed + body, payload))
     header_sum = xxhash.xxh32_intdigest(fixed + body)
     header = fixed + _HEADER_SUM.pack(header_sum) + body
     return header + bytes(header_len - len(header))
 
 
-def encode(key: str, tensor: torch.Tensor) -> bytearray:
+def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> bytearray:
     """Header + payload in one buffer (one copy of the payload; for stores that take a single value)."""
     payload = payload_view(tensor)
-    header = encode_header(key, tensor)
+    header = encode_header(key, tensor, mac=mac)
     out = bytearray(len(header) + payload.nbytes)
     out[:len(header)] = header
     out[len(header):] = payload
@@ -135,7 +182,7 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
     view = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf
     if len(view) < FIXED_SIZE:
         raise CorruptEntry(f"{len(view)} bytes: shorter than a chunk header")
-    magic, fmt, dtype_code, key_len, ndim, header_len, payload_len, payload_sum = \
+    magic, fmt, dtype_code, key_len, ndim, header_len, payload_len, payload_sum, mac = \
         _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise CorruptEntry("bad magic: not a stored chunk")
@@ -148,7 +195,8 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
         raise CorruptEntry("truncated chunk header")
     (header_sum,) = _HEADER_SUM.unpack_from(view, _FIXED.size)
     body = bytes(view[FIXED_SIZE:body_end])
-    if xxhash.xxh32_intdigest(bytes(view[:_FIXED.size]) + body) != header_sum:
+    fixed = bytes(view[:_FIXED.size])
+    if xxhash.xxh32_intdigest(fixed + body) != header_sum:
         raise CorruptEntry("header checksum mismatch")
     dtype = _CODE_DTYPES.get(dtype_code)
     if dtype is None:
@@ -163,18 +211,22 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
     itemsize = torch.empty((), dtype=dtype).element_size()
     if math.prod(shape) * itemsize != payload_len:
         raise CorruptEntry(f"shape {shape} x {dtype} does not match payload length {payload_len}")
-    return ChunkHeader(key, dtype, tuple(shape), header_len, payload_len, payload_sum)
+    return ChunkHeader(key, dtype, tuple(shape), header_len, payload_len, payload_sum, mac,
+                       fixed[:_MAC_OFFSET] + _NO_MAC + body)
 
 
-def verify_payload(header: ChunkHeader, payload) -> None:
-    """Checks a payload's length and checksum against its header."""
+def verify_payload(header: ChunkHeader, payload, mac: Optional[ChunkMac] = None) -> None:
+    """Checks a payload's length and checksum against its header and, with `mac`, the header's MAC."""
     if len(payload) != header.payload_len:
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.payload_len}")
     if checksum(payload) != header.checksum:
         raise CorruptEntry(f"payload checksum mismatch for {header.key!r}")
+    if mac is not None and not hmac.compare_digest(mac.compute(header.signed_header, payload), header.mac):
+        metrics.inc("unauthenticated_chunks")
+        raise UnauthenticatedEntry(f"chunk {header.key!r} has no valid MAC for our secret")
 
 
-def decode_into(buf, header: ChunkHeader, out: torch.Tensor) -> None:
+def decode_into(buf, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
     """Copies and checks the payload of `buf` (header + payload) into the preallocated tensor `out`."""
     if tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise ValueError(f"destination is {tuple(out.shape)}/{out.dtype}, chunk is "
@@ -188,11 +240,11 @@ def decode_into(buf, header: ChunkHeader, out: torch.Tensor) -> None:
         # numpy only supplies the source address (any buffer, read-only included); `src` keeps it alive.
         src = np.frombuffer(view, dtype=np.uint8, count=header.payload_len, offset=header.header_len)
         ctypes.memmove(out.data_ptr(), src.ctypes.data, header.payload_len)
-    verify_payload(header, dest)
+    verify_payload(header, dest, mac)
 
 
 def decode(buf, expected_key: Optional[str],
-           alloc: Callable[[tuple, torch.dtype], object]):
+           alloc: Callable[[tuple, torch.dtype], object], mac: Optional[ChunkMac] = None):
     """Parses `buf`, allocates with `alloc(shape, dtype)` (a MemoryObj or None) and fills it.
 
     Returns the MemoryObj, or None when `alloc` could not provide memory. The object is released again
@@ -205,7 +257,7 @@ def decode(buf, expected_key: Optional[str],
     if obj is None:
         return None
     try:
-        decode_into(buf, header, obj.tensor)
+        decode_into(buf, header, obj.tensor, mac)
     except BaseException:
         obj.ref_down()
         raise

@@ -52,8 +52,10 @@ class RedisBackend(StorageBackend):
 
     def __init__(self, url: str, *, prefix: str = "lmcache_vllm:", ttl_secs: Optional[float] = None,
                  timeout_secs: float = 2.0, max_connections: int = 16, read_groups: int = 1,
-                 read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0):
+                 read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0,
+                 mac: Optional[codec.ChunkMac] = None):
         self.url = url
+        self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
         self.prefix = prefix
         self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
         self.timeout = float(timeout_secs)
@@ -213,7 +215,7 @@ class RedisBackend(StorageBackend):
                     out.append((None, "misses"))
                     continue
                 try:
-                    obj = codec.decode(value, key, alloc)
+                    obj = codec.decode(value, key, alloc, self.mac)
                 except codec.CorruptEntry as exc:
                     logs.warn(logger, "redis_corrupt", "corrupt redis value under %r: %s; deleting it",
                               self._rkey(key), exc)
@@ -226,7 +228,7 @@ class RedisBackend(StorageBackend):
         return out
 
     async def put(self, key: str, obj: MemoryObj) -> bool:
-        value = memoryview(codec.encode(key, obj.tensor))
+        value = memoryview(codec.encode(key, obj.tensor, self.mac))
         ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
                               default=False)
         if ok:

@@ -2,21 +2,33 @@
 
 Everything comes typed and defaulted from an `LMCacheConfig`: the LMCache keys (`max_local_cpu_size`,
 `local_disk`, `max_local_disk_size`, `remote_url`) and our own knobs in `config.extra_config`
-(`config_extra.ExtraConfig`).
+(`config_extra.ExtraConfig`). `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks:
+`extra_config.chunk_mac_key`, else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred:
+vLLM logs its kv_connector_extra_config at start-up).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional
+import os
+from typing import Callable, Mapping, Optional
 
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.base import StorageBackend
+from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.redis_backend import RedisBackend
 
 GB = 1 << 30
+MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
+
+
+def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:
+    """The keyed MAC for chunks on disk and in Redis, or None when no secret is configured."""
+    environ = os.environ if environ is None else environ
+    secret = config.extra_config.chunk_mac_key or environ.get(MAC_KEY_ENV) or None
+    return ChunkMac(secret) if secret else None
 
 
 def build_allocator(config: LMCacheConfig) -> HostAllocator:
@@ -32,18 +44,19 @@ def build_lower_tiers(config: LMCacheConfig,
     """The disk and Redis backends the config enables, slowest last. A backend that fails to start closes
     the ones already built before the error propagates (nothing is left open)."""
     extra = config.extra_config
+    mac = chunk_mac(config)
     tiers: list[StorageBackend] = []
     try:
         if config.local_disk:
             tiers.append(LocalDiskBackend(
                 config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io))
+                fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac))
         if config.remote_url:
             tiers.append(RedisBackend(
                 config.remote_url, prefix=extra.remote_key_prefix, ttl_secs=extra.remote_ttl_secs,
                 timeout_secs=extra.remote_timeout_secs, max_connections=extra.remote_max_connections,
                 read_groups=extra.remote_read_groups, read_batch_keys=extra.remote_read_batch_keys,
-                breaker_max_secs=extra.remote_breaker_max_secs))
+                breaker_max_secs=extra.remote_breaker_max_secs, mac=mac))
     except BaseException:
         for tier in tiers:
             asyncio.run(tier.close())

@@ -65,12 +65,15 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.storage.codec import FORMAT_VERSION
+    from lmcache_vllm.storage.tiers import chunk_mac
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
     caches = list(kv_caches.values())
     kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
-    identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace)
+    mac = chunk_mac(config)
+    identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
+                              mac_key_id=mac.key_id if mac else None)
     logger.info("cache keys of this model: %s@%s (fingerprint of its effective config, revision, dtypes, "
                 "weights signature and namespace)", identity.name, identity.fingerprint)
     keys = KeyBuilder(model=identity.name, world_size=layout.tp_size, rank=layout.tp_rank,

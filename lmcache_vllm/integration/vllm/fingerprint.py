@@ -14,7 +14,9 @@ first 16 bytes (hex) of sha256 over the canonical JSON of ("model-fingerprint/v1
   name, dtype, shape and offset). It notices replaced files, other shapes and most re-trainings; it
   cannot see a change of weights that keeps every file's size and leaves all sampled blocks alone
   (e.g. a few tensors fine-tuned in place) — set `extra_config.cache_namespace` then;
-- `extra_config.cache_namespace`, the user's name for whatever else we cannot see.
+- `extra_config.cache_namespace`, the user's name for whatever else we cannot see;
+- the id of the chunk MAC secret, when one is set (`storage.tiers.chunk_mac`): servers with another
+  secret (or none) never look up, and so never delete as unauthenticated, each other's chunks.
 The readable name is the HF `model_type` ("llama"), prefixed by the namespace when one is set.
 """
 from __future__ import annotations
@@ -114,7 +116,8 @@ def _kv_scales(vllm_config: "VllmConfig") -> list[list]:
     return scales
 
 
-def model_identity(vllm_config: "VllmConfig", namespace: str | None = None) -> ModelIdentity:
+def model_identity(vllm_config: "VllmConfig", namespace: str | None = None,
+                   mac_key_id: str | None = None) -> ModelIdentity:
     """The identity of the model vLLM serves (see the module docstring)."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
@@ -130,6 +133,7 @@ def model_identity(vllm_config: "VllmConfig", namespace: str | None = None) -> M
         "kv_cache_dtype": cache_dtype,
         "kv_cache_dtype_skip_layers": list(getattr(cache_config, "kv_cache_dtype_skip_layers", []) or []),
         "namespace": namespace or "",
+        "chunk_mac": mac_key_id or "",
     }
     if load_format == "dummy":
         inputs["seed"] = model_config.seed  # dummy weights are drawn from it
