@@ -1,7 +1,7 @@
 """Memory-tier benchmark: chunk hashing, and L1 (host memory) store + retrieve through `CacheEngine`.
 
 1. Hashing: `KeyBuilder.keys` in tokens/s over many 4096-token prompts, for every supported algorithm
-   and input kind (list, numpy, tensor).
+   and input kind (list, numpy, tensor), and numpy with extra keys (LoRA + an image; ratio to plain).
 2. L1 through the engine: vLLM's CPU paged layout (per layer `[num_blocks, num_kv_heads, block_size,
    2*head_size]`, block_size 128) with the `vec` packing and again with the `amx` packing (keys prefixed
    `amx_`), 32 layers, 8 KV heads, head size 128, bf16, chunks of 256 tokens = 32 MiB each, blocks in random
@@ -30,12 +30,14 @@ from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.testing.kv_views import KVViewCase, kv_views
-from lmcache_vllm.tokens import SUPPORTED_HASH_ALGORITHMS, ChunkHasher, KeyBuilder
+from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
+from lmcache_vllm.tokens import DEFAULT_HASH_ALGORITHM, SUPPORTED_HASH_ALGORITHMS, ChunkHasher, KeyBuilder
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, CHUNK = 32, 8, 128, 128, 256
 DTYPE = torch.bfloat16
 SEED = 0
 MiB, GiB = 1 << 20, 1 << 30
+EXTRA_KEYS = ExtraKeys(b"lora:adapter-name:" + bytes(32), (ExtraSpan(300, 876, b"mm:" + bytes(32)),))
 
 
 def add_arguments(parser):
@@ -70,10 +72,17 @@ def bench_hashing(num_prompts: int, prompt_tokens: int, repeats: int, results: d
             rate = total / seconds
             results[f"hash_{algorithm}_{kind}_tokens_per_s"] = rate
             row.append(rate / 1e6)
+        # The same numpy prompts with extra keys (a LoRA adapter and an image over chunks 1-3).
+        seconds = best_of(lambda: [builder.keys(p, extra=EXTRA_KEYS) for p in inputs["numpy"]], repeats)
+        results[f"hash_{algorithm}_numpy_extras_tokens_per_s"] = total / seconds
+        row.append(total / seconds / 1e6)
         rows.append(tuple(row))
     results.update(hash_prompts=num_prompts, hash_prompt_tokens=prompt_tokens)
+    default = DEFAULT_HASH_ALGORITHM
+    results["hash_extras_vs_plain_ratio"] = (results[f"hash_{default}_numpy_extras_tokens_per_s"]
+                                             / results[f"hash_{default}_numpy_tokens_per_s"])
     print_table(f"KeyBuilder.keys, {num_prompts} prompts x {prompt_tokens} tokens, chunk {CHUNK} "
-                f"(Mtokens/s)", rows, ("algorithm", "list", "numpy", "tensor"))
+                f"(Mtokens/s)", rows, ("algorithm", "list", "numpy", "tensor", "numpy+extras"))
 
 
 def paged_caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
