@@ -78,3 +78,21 @@ def test_weights_signature_sees_replaced_weights_and_says_what_it_cannot(model_d
     assert weights_signature([str(weights)])[0][:2] == [weights.name, size]
 
 
+
+
+def test_fp8_kv_cache_scales_are_part_of_it(model_dir):
+    from vllm.config import CacheConfig
+
+    config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16"),
+                        cache_config=CacheConfig(cache_dtype="fp8"))
+
+    class AttentionLayer:  # what vLLM's attention layers expose after loading the checkpoint's scales
+        _k_scale_float = 1.0
+        _v_scale_float = 1.0
+
+    layer = AttentionLayer()
+    config.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] = layer
+    fp8 = model_identity(config)
+    assert fp8.fingerprint != identity(model_dir).fingerprint  # the KV dtype alone changes it
+    layer._k_scale_float = 0.5  # another checkpoint's K scale: its fp8 KV means other numbers
+    assert model_identity(config).fingerprint != fp8.fingerprint
