@@ -6,6 +6,8 @@
   PYTHONHASHSEED and the same model copied to another path hits it (keys carry a fingerprint of the
   model's effective config and weights, not its path) and gives the tokens vLLM gives when its own prefix
   cache serves the same split; a process whose copy has another `rope_theta` in config.json finds nothing.
+- `prompt_embeds` requests are cached under their embeddings: the same embeddings hit, other embeddings
+  of the same length (the same placeholder token ids) get nothing.
 vLLM's prefix caching is off in every run with the connector, so every hit counted is ours.
 """
 from __future__ import annotations
@@ -119,3 +121,13 @@ def test_same_model_at_another_path_and_hash_seed_hits(shared_disk_runs):
 
 def test_changed_config_finds_nothing_of_the_old_model(shared_disk_runs):
     assert h.phase(shared_disk_runs["changed"], "shared")[0]["num_cached_tokens"] == 0
+
+
+def test_prompt_embeds_are_keyed_by_their_embeddings(tiny_model, work):
+    a, b = {"embeds_seed": 1, "len": 600}, {"embeds_seed": 2, "len": 600}
+    phases = [{"name": name, "prompts": [p]} for name, p in (("a", a), ("a_again", a), ("b", b), ("b_again", b))]
+    run = h.run_job(work, "embeds", {"model": tiny_model, "llm_kwargs": h.llm_kwargs(enable_prompt_embeds=True),
+                                     "kv_transfer_config": h.connector(), "phases": phases})
+    hits = [h.phase(run, name)[0]["num_cached_tokens"] for name in ("a", "a_again", "b", "b_again")]
+    assert hits == [0, 512, 0, 512]
+    assert h.phase(run, "a")[0]["tokens"] != h.phase(run, "b")[0]["tokens"]  # the embeddings matter

@@ -7,6 +7,9 @@ process. The job file:
     {"model": DIR, "llm_kwargs": {...}, "kv_transfer_config": {...} | null,
      "phases": [{"name": "warm", "prompts": [[token ids], ...], "max_tokens": 8}, ...]}
 
+A prompt may also be {"embeds_seed": S, "len": N}: N prompt embeddings drawn from a generator seeded with S
+(bf16, the model's hidden size; needs "enable_prompt_embeds": true in llm_kwargs).
+
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
 phase its wall time and process CPU time, and under `stats` this process's metrics (`metrics.flat`:
@@ -43,11 +46,23 @@ def _first_token_latency(output) -> float | None:
     return float(latency) if latency else None
 
 
+def _prompt(prompt, llm):
+    """vLLM's prompt for a token-id list or an {"embeds_seed", "len"} description (see the docstring)."""
+    from vllm.inputs import TokensPrompt
+
+    if not isinstance(prompt, dict):
+        return TokensPrompt(prompt_token_ids=list(prompt))
+    import torch
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    gen = torch.Generator().manual_seed(int(prompt["embeds_seed"]))
+    return {"prompt_embeds": (torch.randn(int(prompt["len"]), hidden, generator=gen) * 0.05).to(torch.bfloat16)}
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kwargs = dict(job.get("llm_kwargs", {}))
     if job.get("kv_transfer_config"):
@@ -58,7 +73,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     for phase in job["phases"]:
         params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
                                 ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in phase["prompts"]]
+        prompts = [_prompt(p, llm) for p in phase["prompts"]]
         t0, cpu0 = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - t0
