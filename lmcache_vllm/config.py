@@ -72,6 +72,10 @@ class LMCacheConfig:
                "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
     save_decode_cache: bool = setting(False, "also store KV produced while decoding")
     use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
+    enable_async_loading: bool = setting(
+        True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
+              "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
+              "default is false")
     cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
     blocking_timeout_secs: float = setting(
         10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",

@@ -22,8 +22,9 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj
-from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.storage.prefetch import PrefetchHandle
 from lmcache_vllm.tokens import CacheKey, KeyBuilder
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,46 @@ class _Chunk:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Where a looked-up run of chunks is: tokens [start, end) found (end 0: nothing found), and the tier
+    holding each of its chunks ("local_cpu" for L1, then the lower tiers' names)."""
+
+    start: int
+    end: int
+    chunk_tiers: tuple[str, ...]
+
+
+@dataclass
+class HeldPrefix:
+    """What a lookup promised one request: the chunks of its tokens from `start` on that some tier holds,
+    held (L1 ones at once, lower-tier ones once read into L1) until a `retrieve(..., owner=self.owner)`
+    takes them or `release()` (the request went away or is done)."""
+
+    handle: PrefetchHandle
+    start: int  # first token of the first chunk looked up (chunk-aligned)
+    ends: list[int]  # end token of each chunk looked up
+
+    @property
+    def owner(self):
+        return self.handle.owner
+
+    def located(self, timeout: float | None = 0.0) -> PrefixHit | None:
+        """The hit, once every tier answered (waiting at most `timeout` seconds); None before."""
+        found = self.handle.located(timeout)
+        if found is None:
+            return None
+        n = found.num_chunks
+        return PrefixHit(self.start, self.ends[n - 1] if n else 0, tuple(found.tiers))
+
+    def ready(self) -> bool:
+        """Whether every chunk located is read and held (nothing left to wait for)."""
+        return self.handle.done()
+
+    def release(self) -> None:
+        self.handle.cancel()
 
 
 @dataclass
@@ -88,7 +129,8 @@ class CacheEngine:
         return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial, extra)]
 
     def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> list[_Chunk]:
-        """Chunks worth storing: fully inside the mask and not present in L1/lower tiers yet."""
+        """Chunks worth storing: fully inside the mask and not in L1 yet (a lower tier that has one
+        already skips its write-through there)."""
         chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
         self._note_for_events(tokens, chunks)
         chunks = [c for c in chunks if bool(mask[c.start:c.end].all())]
@@ -107,13 +149,19 @@ class CacheEngine:
             logs.warn(logger, "arena_full", "store of chunk %s dropped: %s", chunk.key.to_str(), exc)
             return None
 
-    def _plan_retrieve(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> _RetrievePlan:
+    def _plan_retrieve(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None, owner=None,
+                       lower_tiers: bool = True) -> _RetrievePlan:
+        # Only chunks holding tokens the caller wants are read: those before the mask's first token
+        # (already in the caller's cache) are skipped, not fetched and thrown away.
         chunks = self._chunks(tokens, True, extra)
+        wanted = [i for i, c in enumerate(chunks) if bool(mask[c.start:c.end].any())]
+        if wanted:
+            self._note_for_events(tokens, chunks[:wanted[-1] + 1])  # read from below, it lands in L1
+        chunks = chunks[wanted[0]:wanted[-1] + 1] if wanted else []
         plan = _RetrievePlan()
         if not chunks:
             return plan
-        self._note_for_events(tokens, chunks)  # a chunk read from below lands in L1: an event
-        objs = self.storage.get([c.key for c in chunks])
+        objs = self.storage.get([c.key for c in chunks], owner, lower_tiers)
         for chunk, obj in zip(chunks, objs):
             expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
             if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
@@ -150,16 +198,30 @@ class CacheEngine:
 
     # ------------------------------------------------------------------ public API
     def lookup(self, tokens, extra: ExtraKeys | None = None) -> int:
-        """Number of leading tokens whose KV is available in some tier (whole chunks only)."""
+        """Number of leading tokens whose KV is available in some tier (whole chunks; a partial last
+        chunk only exists, so is only asked for, with `save_unfull_chunk`)."""
         return self.lookup_tiers(tokens, extra)[0]
 
     def lookup_tiers(self, tokens, extra: ExtraKeys | None = None) -> tuple[int, list[str]]:
         """`lookup`'s answer and the tier holding each chunk of it (where a load would read it from)."""
-        chunks = self._chunks(tokens, True, extra)
+        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
         if not chunks:
             return 0, []
         tiers = self.storage.prefix_tiers([c.key for c in chunks])
         return (chunks[len(tiers) - 1].end if tiers else 0), tiers
+
+    def lookup_and_hold(self, tokens, start: int = 0, extra: ExtraKeys | None = None) -> HeldPrefix:
+        """Phase one of a load: finds the chunks of `tokens` from the one holding token `start` on (the
+        caller has the tokens before it) and holds them for the load (see `HeldPrefix`); reads from
+        lower tiers into L1 start at once. Never waits on a lower tier: `located()` says when they
+        answered."""
+        cs = self.keys.chunk_size
+        first = max(0, start) // cs
+        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
+        self._note_for_events(tokens, chunks)  # what the prefetch reads from below lands in L1
+        chunks = chunks[first:]
+        handle = self.storage.prefetch([c.key for c in chunks])
+        return HeldPrefix(handle, first * cs, [c.end for c in chunks])
 
     def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
               extra: ExtraKeys | None = None) -> int:
@@ -188,14 +250,16 @@ class CacheEngine:
         return stored
 
     def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
-                 extra: ExtraKeys | None = None) -> torch.Tensor:
-        """Loads the longest available prefix into the paged cache. Returns the mask of tokens loaded."""
+                 extra: ExtraKeys | None = None, owner=None, lower_tiers: bool = True) -> torch.Tensor:
+        """Loads the chunks holding `mask`ed tokens, from the first such chunk up to the first missing
+        one, into the paged cache; returns the mask of tokens loaded. `owner` (a `HeldPrefix.owner`) takes
+        the holds of that lookup over; `lower_tiers=False` reads memory only."""
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         loaded = torch.zeros(num_tokens, dtype=torch.bool)
         self._releases.reap()
-        plan = self._plan_retrieve(tokens, mask, extra)
+        plan = self._plan_retrieve(tokens, mask, extra, owner, lower_tiers)
         try:
             for chunk, obj in zip(plan.chunks, plan.objs):
                 self.layout.scatter(obj.tensor, kv_caches, self._masked_slots(slot_mapping, mask, chunk))
@@ -239,13 +303,14 @@ class CacheEngine:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
 
     def retrieve_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
-                       mask=None, extra: ExtraKeys | None = None) -> Generator[torch.Tensor | int, None, None]:
+                       mask=None, extra: ExtraKeys | None = None, owner=None,
+                       lower_tiers: bool = True) -> Generator[torch.Tensor | int, None, None]:
         """Layerwise retrieve: the first `next()` fetches the chunks and yields the mask of tokens that
         will be loaded; each following `next()` loads one layer and yields its index."""
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
-        plan = self._plan_retrieve(tokens, mask, extra)
+        plan = self._plan_retrieve(tokens, mask, extra, owner, lower_tiers)
         try:
             loaded = torch.zeros(num_tokens, dtype=torch.bool)
             slots = []
@@ -260,11 +325,6 @@ class CacheEngine:
                 yield layer
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
-
-    def prefetch(self, tokens, extra: ExtraKeys | None = None):
-        """Starts moving the available prefix of `tokens` from slower tiers into L1; returns a handle
-        with `.cancel()`."""
-        return self.storage.prefetch([c.key for c in self._chunks(tokens, True, extra)])
 
     def clear(self, lower_tiers: bool = True) -> bool:
         """Empties L1 (and the lower tiers, unless `lower_tiers` is False); False if they did not finish."""

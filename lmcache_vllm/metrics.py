@@ -61,8 +61,8 @@ def _h(name, help, labels=(), scope="rank"):
 _T = ("tier",)
 METRIC_LIST: tuple[MetricDef, ...] = (
     # -- scheduler: one per engine
-    _c("lookups", "requests", "Prefix lookups the scheduler asked the workers for (a request waiting for "
-       "free blocks is looked up again at each try)", scope="engine"),
+    _c("lookups", "requests", "Prefix lookups the scheduler asked the workers for (the answer is reused "
+       "while the request waits for free blocks; a pending one is asked again)", scope="engine"),
     _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
        "server lives in the scheduler's process", scope="engine"),
     _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
@@ -75,6 +75,10 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache, by "
        "the tier holding them (counted once per scheduled load)", _T, scope="engine"),
     _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
+    _c("async_load_requests", "requests", "Loads planned asynchronously: the hit needed the disk or Redis "
+       "tier, so the request waited (WAITING_FOR_REMOTE_KVS) while vLLM ran the others", scope="engine"),
+    _c("pending_lookups", "requests", "Lookups answered 'ask again' because a slower tier had not said "
+       "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
     # -- worker / engine
     _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "
        "rank 0)", scope="engine"),
@@ -93,6 +97,10 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
+       "blocking_timeout_secs; what had not arrived was recomputed"),
+    _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
+       "waited; its reads and holds were released"),
     _h("store_seconds", "Time to store one request's new KV (on the save thread unless saves are "
        "synchronous)"),
     _c("save_wait_seconds", "seconds", "Time vLLM's step waited for background saves to finish"),

@@ -48,7 +48,8 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.workdir, "--daemonize", "no",
-             "--proto-max-bulk-len", "1gb", "--loglevel", "warning"],
+             "--proto-max-bulk-len", "1gb", "--loglevel", "warning",
+             "--enable-debug-command", "local"],  # DEBUG SLEEP freezes it for slow-tier tests
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -85,7 +85,7 @@ REFUSED = {
     "LMCache__examples__kv_cache_reuse__share_across_instances__centralized_sharing__example": {
         "remote_serde", "remote_url"},
     "LMCache__examples__kv_cache_reuse__share_across_instances__p2p_sharing__example1": {
-        "enable_async_loading", "enable_controller", "enable_p2p"},
+        "enable_controller", "enable_p2p"},
     "LMCache__examples__lmc_connector__example": set(),
     "LMCache__examples__lmcache_config_azure": {"backend_config", "cache_config", "logging"},
     "LMCache__examples__offline_inference__example": {"remote_serde", "remote_url"},

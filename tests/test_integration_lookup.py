@@ -7,6 +7,7 @@ import stat
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -15,12 +16,21 @@ from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
 from lmcache_vllm.integration.vllm.lookup import (
     LookupAnswer,
     LookupClient,
+    LookupQuery,
     LookupServer,
     decode_tokens,
     encode_tokens,
     lookup_socket_path,
     private_socket_dir,
 )
+
+
+def hit(end: int, start: int = 0, tiers: tuple = ()) -> LookupAnswer:
+    return LookupAnswer(end, tiers or ("local_cpu",) * ((end - start + 255) // 256), start)
+
+
+def query(tokens, req_id: str = "r", start: int = 0, extra=NO_EXTRA_KEYS) -> LookupQuery:
+    return LookupQuery(req_id, np.asarray(tokens, dtype=np.int64), start, extra)
 
 
 @pytest.fixture
@@ -52,14 +62,18 @@ def test_socket_path_is_per_instance_and_rank(sock_dir):
 
 def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     seen = []
-    s0 = LookupServer(lookup_socket_path("e", 0, sock_dir), lambda t, e: (seen.append((t.tolist(), e)), 512)[1])
-    s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda t, e: 256)
+    s0 = LookupServer(lookup_socket_path("e", 0, sock_dir),
+                      lambda q: (seen.append((q.req_id, q.start, q.token_ids.tolist(), q.extra)), hit(512))[1])
+    s1 = LookupServer(lookup_socket_path("e", 1, sock_dir), lambda q: hit(512, tiers=("local_cpu", "local_disk")))
     client = LookupClient([s0.address, s1.address], timeout_ms=2000, direct=False)
     try:
-        assert client.lookup(list(range(600))).hit_tokens == 256
+        result = client.lookup(query(range(600), "req-7", start=128))
+        assert (result.start, result.hit_tokens) == (0, 512)
+        # rank 1 has half of it on disk only: the combined answer needs the slower tier
+        assert result.chunk_tiers == ("local_cpu", "local_disk") and not result.in_l1
         extra = ExtraKeys(b"salt", (ExtraSpan(10, 20, b"mm:x"),))
-        assert client.lookup(list(range(600)), extra).hit_tokens == 256
-        assert seen == [(list(range(600)), NO_EXTRA_KEYS), (list(range(600)), extra)]
+        assert client.lookup(query(range(600), "req-8", extra=extra)).hit_tokens == 512
+        assert seen == [("req-7", 128, list(range(600)), NO_EXTRA_KEYS), ("req-8", 0, list(range(600)), extra)]
         assert metrics.value("lookups_in_process") == 0
     finally:
         client.close()
@@ -68,11 +82,20 @@ def test_client_gets_servers_answer_and_minimum_over_ranks(sock_dir):
     assert not os.listdir(os.path.dirname(s0.address[len("ipc://"):]))  # closing removes the sockets
 
 
+def test_answer_wire_format_and_minimum_over_ranks():
+    for answer in (LookupAnswer(0), hit(768, 256, ("local_cpu", "local_disk")), LookupAnswer(0, pending=True)):
+        assert LookupAnswer.decode(answer.encode()) == answer
+    assert LookupAnswer.minimum([hit(512), LookupAnswer(0, pending=True)]).pending
+    assert LookupAnswer.minimum([hit(512, 256), hit(256, 0)]).hit_tokens == 0  # no run both ranks hold
+    both = LookupAnswer.minimum([hit(512), hit(512, tiers=("local_cpu", "redis"))])
+    assert both == LookupAnswer(512, ("local_cpu", "redis")) and not both.in_l1
+
+
 def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
     client = LookupClient([lookup_socket_path("nobody", 0, sock_dir)], timeout_ms=50)
     try:
         t0 = time.monotonic()
-        assert client.lookup([1, 2, 3]).hit_tokens == 0
+        assert client.lookup(query([1, 2, 3])).hit_tokens == 0
         assert time.monotonic() - t0 < 1.0
         assert metrics.value("lookup_timeouts") == 1
     finally:
@@ -80,25 +103,25 @@ def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
 
     release = threading.Event()
 
-    def slow(tokens, extra):
+    def slow(q):
         release.wait(2)
-        return 999
+        return hit(999)
 
     server = LookupServer(lookup_socket_path("slow", 0, sock_dir), slow)
     client = LookupClient([server.address], timeout_ms=100, direct=False)
     try:
-        assert client.lookup([1]).hit_tokens == 0  # timed out
+        assert client.lookup(query([1])).hit_tokens == 0  # timed out
         release.set()
         time.sleep(0.2)  # the late answer arrives and must not be taken for the next question
-        server._lookup_fn = lambda tokens, extra: 7
-        assert client.lookup([1]).hit_tokens == 7
+        server._lookup_fn = lambda q: hit(7)
+        assert client.lookup(query([1])).hit_tokens == 7
     finally:
         client.close()
         server.close()
 
 
 def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
-    def broken(tokens, extra):
+    def broken(q):
         raise RuntimeError("storage down")
 
     server = LookupServer(lookup_socket_path("bad", 0, sock_dir), broken)
@@ -108,13 +131,15 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
     raw.connect(server.address)
     try:
         raw.send_multipart([b"garbage"])  # wrong frame count: ignored, server keeps serving
-        for bad in ([b"\x01" * 8, b"\x00" * 5, b""],  # not whole int64s
-                    [b"\x01" * 8, b"\x00" * 8, b"junk"]):  # extra keys that do not parse
+        start = b"\x00" * 8
+        for bad in ([b"\x01" * 8, b"r", start, b"\x00" * 5, b""],  # not whole int64s
+                    [b"\x01" * 8, b"r", start, b"\x00" * 8, b"junk"],  # extra keys that do not parse
+                    [b"\x01" * 8, b"\xff\xfe", start, b"\x00" * 8, b""]):  # request id not UTF-8
             raw.send_multipart(bad)  # answered as 0 hits
             assert raw.poll(2000)
-            assert raw.recv_multipart()[1] == (0).to_bytes(8, "little")
-        assert metrics.value("lookup_rejected") == 3
-        assert client.lookup([1, 2]).hit_tokens == 0
+            assert LookupAnswer.decode(raw.recv_multipart()[1]).hit_tokens == 0
+        assert metrics.value("lookup_rejected") == 4
+        assert client.lookup(query([1, 2])).hit_tokens == 0
     finally:
         raw.close()
         client.close()
@@ -122,17 +147,18 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
 
 
 def test_servers_in_the_same_process_are_called_directly(sock_dir):
-    s0 = LookupServer(lookup_socket_path("local", 0, sock_dir), lambda t, e: 512)
-    s1 = LookupServer(lookup_socket_path("local", 1, sock_dir), lambda t, e: int(t[-1]) + len(e.prefix))
+    s0 = LookupServer(lookup_socket_path("local", 0, sock_dir), lambda q: hit(512))
+    s1 = LookupServer(lookup_socket_path("local", 1, sock_dir),
+                      lambda q: hit(int(q.token_ids[-1]) + len(q.extra.prefix)))
     client = LookupClient([s0.address, s1.address], timeout_ms=50)
     try:
-        assert client.lookup(list(range(300))).hit_tokens == 299  # minimum over ranks, as over the sockets
-        assert client.lookup(list(range(300)), ExtraKeys(b"ab")).hit_tokens == 301  # extra keys reach the rank
+        assert client.lookup(query(range(300))).hit_tokens == 299  # minimum over ranks, as over the sockets
+        assert client.lookup(query(range(300), extra=ExtraKeys(b"ab"))).hit_tokens == 301  # extra keys reach it
         assert metrics.value("lookups_in_process") == 2
-        s1._lookup_fn = lambda t, e: 1 // 0  # a failing lookup is 0 hits here too
-        assert client.lookup([5]).hit_tokens == 0
+        s1._lookup_fn = lambda q: 1 // 0  # a failing lookup is 0 hits here too
+        assert client.lookup(query([5])).hit_tokens == 0
         s1.close()  # a rank no longer local: the sockets are used (and time out here)
-        assert client.lookup([5]).hit_tokens == 0
+        assert client.lookup(query([5])).hit_tokens == 0
         assert metrics.value("lookups_in_process") == 3 and metrics.value("lookup_timeouts") == 1
     finally:
         client.close()
@@ -140,7 +166,7 @@ def test_servers_in_the_same_process_are_called_directly(sock_dir):
 
 
 def test_sockets_are_private_to_this_user(sock_dir):
-    server = LookupServer(lookup_socket_path("priv", 0, sock_dir), lambda t, e: 1)
+    server = LookupServer(lookup_socket_path("priv", 0, sock_dir), lambda q: hit(1))
     try:
         path = server.address[len("ipc://"):]
         directory = os.path.dirname(path)
@@ -171,21 +197,21 @@ def test_directory_of_another_user_is_refused(sock_dir):
 
 def test_frames_are_bounded(sock_dir):
     seen = []
-    server = LookupServer(lookup_socket_path("bound", 0, sock_dir), lambda t, e: seen.append(len(t)) or 5,
-                          max_tokens=100)
+    server = LookupServer(lookup_socket_path("bound", 0, sock_dir),
+                          lambda q: seen.append(len(q.token_ids)) or hit(5), max_tokens=100)
     client = LookupClient([server.address], timeout_ms=1000, direct=False)
     try:
-        assert client.lookup(list(range(100))).hit_tokens == 5
-        assert client.lookup(list(range(101))).hit_tokens == 0  # more tokens than max_model_len: no lookup at all
+        assert client.lookup(query(range(100))).hit_tokens == 5
+        assert client.lookup(query(range(101))).hit_tokens == 0  # more tokens than max_model_len: no lookup at all
         assert seen == [100] and metrics.value("lookup_rejected") == 1
         # A message over MAXMSGSIZE is never buffered: ZMQ drops the peer, the server keeps serving.
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(server.address)
-        raw.send_multipart([b"\x01" * 8, b"\x00" * (8 << 20), b""])
+        raw.send_multipart([b"\x01" * 8, b"r", b"\x00" * 8, b"\x00" * (8 << 20), b""])
         assert not raw.poll(300)
         raw.close()
-        assert client.lookup(list(range(10))).hit_tokens == 5
+        assert client.lookup(query(range(10))).hit_tokens == 5
     finally:
         client.close()
         server.close()
@@ -195,14 +221,14 @@ def test_tiers_of_the_hit_and_commands_cross_the_sockets(sock_dir):
     answers = {0: LookupAnswer(768, ("local_cpu", "local_disk", "local_cpu")),
                1: LookupAnswer(512, ("local_cpu", "redis"))}
     calls = []
-    servers = [LookupServer(lookup_socket_path("tiers", r, sock_dir), lambda t, e, r=r: answers[r],
+    servers = [LookupServer(lookup_socket_path("tiers", r, sock_dir), lambda q, r=r: answers[r],
                             commands={"reset_l1": lambda r=r: calls.append(r) or 1})
                for r in (0, 1)]
     for direct in (False, True):
         client = LookupClient([s.address for s in servers], timeout_ms=2000, direct=direct)
         try:
             # The shortest hit; each chunk where the slowest rank holds it.
-            assert client.lookup([1, 2, 3]) == LookupAnswer(512, ("local_cpu", "redis"))
+            assert client.lookup(query([1, 2, 3])) == LookupAnswer(512, ("local_cpu", "redis"))
             assert client.command("reset_l1") == [1, 1]
             assert client.command("no_such_command") == [-1, -1]
         finally:

@@ -71,12 +71,14 @@ def test_unidentified_multimodal_item_is_not_cached_and_counted():
         RequestKeys(CHUNK).extra_keys(request(mm_features=[image("")]))
     assert info.value.reason == "mm_unidentified"
 
+    from lmcache_vllm.integration.vllm.lookup import LookupAnswer
+
     class Lookups:
         calls = 0
 
-        def lookup(self, tokens, extra=None):
+        def lookup(self, query):
             self.calls += 1
-            return 512
+            return LookupAnswer(512, ("local_cpu", "local_cpu"))
 
     lookups = Lookups()
     half = SchedulerHalf(chunk_size=CHUNK, block_size=128, lookup_client=lookups, can_load=True,
@@ -151,12 +153,14 @@ def test_prompt_embeds_are_keyed_by_the_embeddings_per_chunk():
 def test_extra_keys_travel_with_lookup_load_and_save():
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
+    from lmcache_vllm.integration.vllm.lookup import LookupAnswer
+
     class Lookups:
         extras = []
 
-        def lookup(self, tokens, extra=None):
-            self.extras.append(extra)
-            return 512
+        def lookup(self, query):
+            self.extras.append(query.extra)
+            return LookupAnswer(512, ("local_cpu", "local_cpu"))
 
     lookups = Lookups()
     half = SchedulerHalf(chunk_size=CHUNK, block_size=128, lookup_client=lookups, can_load=True,

@@ -11,6 +11,8 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from lmcache_vllm import metrics  # noqa: E402
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import slot_mapping_for  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 
@@ -18,21 +20,32 @@ CHUNK, BLOCK = 256, 128
 
 
 class PrefixStore:
-    """Stands in for the workers' lookup servers: answers from a set of stored prefixes."""
+    """Stands in for the workers' lookup servers: a stored prefix of `hit` tokens, the first `in_l1` of
+    them in L1 (all by default) and the rest on disk; `pending` answers "ask again"."""
 
-    def __init__(self, hit: int = 0):
+    def __init__(self, hit: int = 0, in_l1: int | None = None):
         self.hit = hit
+        self.in_l1 = in_l1
+        self.pending = False
         self.calls = 0
-        self.extras = []
+        self.queries = []
 
-    def lookup(self, tokens, extra=None) -> int:
+    def lookup(self, query) -> LookupAnswer:
         self.calls += 1
-        self.extras.append(extra)
-        return min(self.hit, len(tokens))
+        self.queries.append(query)
+        if self.pending:
+            return LookupAnswer(0, pending=True)
+        start = query.start - query.start % CHUNK
+        end = min(self.hit, len(query.token_ids))
+        if end <= start:
+            return LookupAnswer(0, start=start)
+        in_l1 = end if self.in_l1 is None else self.in_l1
+        tiers = tuple("local_cpu" if c < in_l1 else "local_disk" for c in range(start, end, CHUNK))
+        return LookupAnswer(end, tiers, start)
 
 
-def make_half(hit=0, *, can_load=True, can_save=True, unfull=False, decode=False):
-    store = PrefixStore(hit)
+def make_half(hit=0, *, can_load=True, can_save=True, unfull=False, decode=False, in_l1=None):
+    store = PrefixStore(hit, in_l1)
     half = SchedulerHalf(chunk_size=CHUNK, block_size=BLOCK, lookup_client=store, can_load=can_load,
                          can_save=can_save, save_unfull_chunk=unfull, save_decode_cache=decode)
     return half, store
@@ -66,9 +79,14 @@ def test_hits_beyond_vllm_prefix_cache_in_whole_chunks():
     half, store = make_half(hit=512)
     req = make_request("a", 700)
     assert half.get_num_new_matched_tokens(req, 0) == (512, False)
+    # vLLM asks again each step while the request waits for blocks: the answer is reused
     assert half.get_num_new_matched_tokens(req, 384) == (128, False)
     assert half.get_num_new_matched_tokens(req, 512) == (0, False)
-    assert store.calls == 3
+    assert store.calls == 1
+    assert (store.queries[0].req_id, store.queries[0].start) == ("a", 0)
+    # a request whose vLLM hit is larger asks only about chunks from there on
+    half.get_num_new_matched_tokens(make_request("b", 700), 384)
+    assert store.queries[1].start == 384
 
 
 def test_full_prompt_hit_leaves_last_token():
@@ -135,18 +153,16 @@ def test_decode_cache_saved_when_enabled():
 def test_token_ids_are_converted_once_per_request():
     """Lookup, load and save specs share one int64 array per request (hashing from numpy is fast)."""
     half, store = make_half(hit=512)
-    seen = []
-    store.lookup = lambda tokens, extra: seen.append(tokens) or 512
     req = make_request("a", 700)
     n, _ = half.get_num_new_matched_tokens(req, 0)
     half.update_state_after_alloc(req, None, n)
     meta = half.build_connector_meta(new_step(req, list(range(6)), computed=512, scheduled=188))
-    (lookup_tokens,) = seen
+    (lookup_tokens,) = [q.token_ids for q in store.queries]
     (load,) = meta.loads
     assert lookup_tokens.dtype == np.int64 and lookup_tokens.tolist() == list(req.all_token_ids)
     assert np.shares_memory(load.token_ids, lookup_tokens)
     half.get_num_new_matched_tokens(req, 0)  # asked again (e.g. after preemption): no new conversion
-    assert seen[1] is lookup_tokens
+    assert store.queries[1].token_ids is lookup_tokens
 
 
 def test_preempted_request_resumes_with_new_blocks_and_loads_again():
@@ -197,20 +213,80 @@ def test_slot_mapping_follows_block_ids():
         slot_mapping_for([7], 4, 6)
 
 
-def test_hit_sources_split_the_planned_load_by_the_tier_of_each_chunk():
-    from lmcache_vllm import metrics
-    from lmcache_vllm.integration.vllm.lookup import LookupAnswer
+def vllm_blocks(block_ids):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    return KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in block_ids],))
+
+
+def test_pending_lookup_is_none_then_asked_again():
+    half, store = make_half(hit=512)
+    store.pending = True
+    req = make_request("a", 700)
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # vLLM skips it this step
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+    store.pending = False
+    assert half.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert half.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert store.calls == 3 and metrics.value("pending_lookups") == 2
+
+
+def test_hit_needing_a_slower_tier_loads_asynchronously_into_the_allocated_blocks():
+    half, store = make_half(hit=768, in_l1=256)
+    req = make_request("a", 800)
+    assert half.get_num_new_matched_tokens(req, 128) == (640, True)
+    blocks = list(range(30, 37))
+    half.update_state_after_alloc(req, vllm_blocks(blocks), 640)
+    # The request now waits in WAITING_FOR_REMOTE_KVS: scheduled nowhere, its load goes out anyway.
+    meta = half.build_connector_meta(SchedulerOutput.make_empty())
+    (load,) = meta.loads
+    assert load.is_async and load.req_id == "a"
+    assert (load.skip_leading, load.load_end, len(load.token_ids)) == (128, 768, 768)
+    assert load.block_ids == blocks[:6] and meta.saves == [] and meta.idle
+    assert half.build_connector_meta(SchedulerOutput.make_empty()).loads == []  # emitted once
+    # Once loaded, vLLM schedules it as a new request computing from 768: only new chunks are saved.
+    meta = half.build_connector_meta(new_step(req, blocks, computed=768, scheduled=32))
+    assert meta.loads == [] and [(s.skip_leading, s.num_tokens) for s in meta.saves] == []
+    # All in L1, or async loading off: synchronous.
+    assert make_half(hit=768)[0].get_num_new_matched_tokens(make_request("b", 800), 0) == (768, False)
+    off, _ = make_half(hit=768, in_l1=0)
+    off.async_loading = False
+    assert off.get_num_new_matched_tokens(make_request("c", 800), 0) == (768, False)
+
+
+def test_lookups_that_load_nothing_are_released_and_shrunk_hits_asked_again():
+    half, store = make_half(hit=512)
+    req = make_request("a", 700)
+    assert half.get_num_new_matched_tokens(req, 0) == (512, False)
+    half.update_state_after_alloc(req, None, 0)  # vLLM chose not to load (e.g. its own hit won)
+    assert half.build_connector_meta(new_step(req, list(range(6)), 512, 188)).release_req_ids == ["a"]
+    assert half.build_connector_meta(SchedulerOutput.make_empty()).release_req_ids == []
+    # vLLM's own hit shrank below the run the first answer started at: ask again from there
+    req = make_request("b", 700)
+    assert half.get_num_new_matched_tokens(req, 300) == (212, False)
+    assert half.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert [q.start for q in store.queries if q.req_id == "b"] == [300, 0]
+
+
+def test_hit_sources_split_the_planned_load_by_the_tier_of_each_chunk():
     half, store = make_half()
-    store.lookup = lambda tokens, extra=None: LookupAnswer(768, ("local_cpu", "local_disk", "redis"))
+    store.lookup = lambda q: LookupAnswer(768, ("local_cpu", "local_disk", "redis"))
+    half.async_loading = False
     req = make_request("a", 800)
     # vLLM's own prefix cache has the first 128 tokens: our load is [128, 768).
     assert half.get_num_new_matched_tokens(req, 128) == (640, False)
     half.update_state_after_alloc(req, None, 640)
     assert half.hit_sources("a") == {"local_cpu": 128, "local_disk": 256, "redis": 256}
     assert metrics.value("hit_tokens", tier="local_disk") == 256
+    # A run that starts after chunk 0 (vLLM holds the first 256 tokens): its tiers count from there.
+    store.lookup = lambda q: LookupAnswer(768, ("local_disk", "local_cpu"), 256)
+    req_c = make_request("c", 800)
+    assert half.get_num_new_matched_tokens(req_c, 256) == (512, False)
+    half.update_state_after_alloc(req_c, None, 512)
+    assert half.hit_sources("c") == {"local_disk": 256, "local_cpu": 256}
     # A lookup that does not say where (an older worker, or a plain count) is "unknown".
-    store.lookup = lambda tokens, extra=None: 512
+    store.lookup = lambda q: 512
     req_b = make_request("b", 600)
     assert half.get_num_new_matched_tokens(req_b, 0) == (512, False)
     half.update_state_after_alloc(req_b, None, 512)

@@ -1,11 +1,12 @@
 """WorkerHalf on plain tensors with a real CacheEngine: background saves, draining, load after save."""
 import threading
 
+import numpy as np
 import pytest
-
 import torch
 
 from lmcache_vllm import metrics
+from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine
@@ -16,6 +17,15 @@ def _worker(engine, caches, async_save=True):
                         lookup_address=None, async_save=async_save)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     return worker
+
+
+def lookup(worker, tokens, req_id="q") -> int:
+    """Tokens the worker reports cached for `tokens` (a lookup of request `req_id`, from token 0)."""
+    return worker._lookup(LookupQuery(req_id, np.asarray(tokens, dtype=np.int64))).hit_tokens
+
+
+def query(tokens, req_id="q") -> LookupQuery:
+    return LookupQuery(req_id, np.asarray(tokens, dtype=np.int64))
 
 
 def _save_meta(tokens, block_ids):
@@ -33,7 +43,7 @@ def test_background_save_then_load_round_trips():
         worker.wait_for_save(_save_meta(tokens, blocks))
         assert worker._saver is not None  # the save went to the background thread
         # A lookup waits for the pending save, so a prompt sent right after finds it.
-        assert worker._lookup(tokens).hit_tokens == 3 * CHUNK
+        assert lookup(worker, tokens) == 3 * CHUNK
         assert metrics.value("stored_tokens") == 3 * CHUNK
 
         # Load into other blocks of the same caches, then compare the KV.
@@ -72,9 +82,9 @@ def test_drain_waits_for_the_gather_before_blocks_are_reused():
         expected = kv_of(engine, caches, torch.arange(2 * CHUNK))
         worker.wait_for_save(_save_meta(tokens, blocks))
         # An unrelated prompt's lookup does not wait for the pending save; one sharing its prefix does.
-        assert worker._lookup(list(range(5000, 5000 + 2 * CHUNK))).hit_tokens == 0
+        assert lookup(worker, list(range(5000, 5000 + 2 * CHUNK)), "other") == 0
         hits = []
-        threading.Thread(target=lambda: hits.append(worker._lookup(tokens).hit_tokens), daemon=True).start()
+        threading.Thread(target=lambda: hits.append(lookup(worker, tokens)), daemon=True).start()
         drained = threading.Event()
         threading.Thread(target=lambda: (worker.drain_saves(), drained.set()), daemon=True).start()
         assert not drained.wait(0.2)  # the next step may not start while the gather is pending
@@ -122,11 +132,11 @@ def test_reset_command_empties_l1_after_pending_saves(tmp_path):
         worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
         # The save still on the background thread lands first, then L1 is emptied: nothing is left.
         assert client.command("reset_l1") == [1]
-        assert client.lookup(tokens).hit_tokens == 0
+        assert client.lookup(query(tokens, "r1")).hit_tokens == 0
         assert metrics.value("resident_chunks", tier="local_cpu") == 0
         worker.begin_step()
         worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
-        assert client.lookup(tokens) == (2 * CHUNK, ("local_cpu", "local_cpu"))
+        assert client.lookup(query(tokens, "r2")) == (2 * CHUNK, ("local_cpu", "local_cpu"), 0, False)
     finally:
         client.close()
 

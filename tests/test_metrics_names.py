@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STABLE = [
     ("lookups", "counter", (),
-     'Prefix lookups the scheduler asked the workers for (a request waiting for free blocks is'
-     ' looked up again at each try)'),
+     'Prefix lookups the scheduler asked the workers for (the answer is reused while the request'
+     ' waits for free blocks; a pending one is asked again)'),
     ("lookups_in_process", "counter", (),
      "Lookups answered by a direct call because every rank's lookup server lives in the "
      "scheduler's process"),
@@ -31,6 +31,12 @@ STABLE = [
      ' them (counted once per scheduled load)'),
     ("load_requests", "counter", (),
      'Requests the scheduler planned a load for'),
+    ("async_load_requests", "counter", (),
+     'Loads planned asynchronously: the hit needed the disk or Redis tier, so the request waited'
+     ' (WAITING_FOR_REMOTE_KVS) while vLLM ran the others'),
+    ("pending_lookups", "counter", (),
+     "Lookups answered 'ask again' because a slower tier had not said yet where the chunks are;"
+     ' vLLM ran the other requests that step'),
     ("loaded_tokens", "counter", (),
      "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP rank 0)"),
     ("failed_load_tokens", "counter", (),
@@ -51,6 +57,12 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("async_load_timeouts", "counter", (),
+     'Asynchronous loads whose chunks were not read within blocking_timeout_secs; what had not'
+     ' arrived was recomputed'),
+    ("aborted_async_loads", "counter", (),
+     'Requests that finished (aborted) while their asynchronous load waited; its reads and holds'
+     ' were released'),
     ("store_seconds", "histogram", (),
      "Time to store one request's new KV (on the save thread unless saves are synchronous)"),
     ("save_wait_seconds", "counter", (),

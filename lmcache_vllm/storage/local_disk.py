@@ -252,9 +252,11 @@ class LocalDiskBackend(StorageBackend):
         try:
             obj = await asyncio.shield(afut)
         except asyncio.CancelledError:
-            # The read thread may still be filling the object: free it only once the thread is done.
+            # The read thread may still be filling the object: free it only once the thread is done
+            # (its error, if any, is nobody's to handle any more).
             if not cfut.cancel():
                 cfut.add_done_callback(_release_result)
+                afut.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         except codec.CorruptEntry as exc:
             logs.warn(logger, "disk_corrupt", "corrupt disk chunk %s: %s", item[0], exc)

@@ -7,15 +7,18 @@ exception to the caller:
 - `put(key, obj)` indexes `obj` in L1 at once (L1 takes its own reference; the caller keeps and later
   drops its own) and queues one write-through to the lower tiers. The queue is bounded
   (`write_queue_depth`): when it is full the store is dropped and counted; inference never waits.
-- `contains_prefix(keys)` / `get(keys)` answer the longest run of consecutive hits from the first key,
-  searching L1, then each lower tier in one batched existence check for the keys still unknown. `get`
-  returns that prefix as MemoryObjs with a reference for the caller; lower-tier hits are read into
-  memory from the L1 allocator and promoted into L1.
-- `prefetch(keys)` does the same reads in the background, promotes, and *holds* a reference on every
-  object of the prefix it found (L1 hits included), so L1 cannot evict them before the request's
-  `get`, which takes the hold over as the caller's reference. Holds end when a `get` takes them, when
-  the handle's `cancel()` is called (it also stops the reads), or after `prefetch_hold_secs`; every
-  object read is either in L1, held, or released (nothing leaks).
+- `contains(keys)` is L1 only (no I/O: the store path never waits on a slow tier). `contains_prefix(keys)`
+  / `get(keys)` answer the longest run of consecutive hits from the first key, searching L1, then each
+  lower tier in one batched existence check for the keys still unknown. `get` returns that prefix as
+  MemoryObjs with a reference for the caller; lower-tier hits are read into memory from the L1
+  allocator and promoted into L1. A chunk is visible to these only once fully written (L1 indexes a
+  chunk after its bytes are in; disk renames a complete file into place; Redis SETs it whole).
+- `prefetch(keys)` is the two-phase protection of a lookup's promise: it holds the L1 prefix at once,
+  then asks the lower tiers where the rest is (`handle.located()`, bounded by the lookup timeout), reads
+  it in the background, promotes it and *holds* it too, so L1 cannot evict any of it before the
+  request's `get(keys, owner=handle.owner)`, which takes the holds over as the caller's references.
+  Holds end when that `get` takes them, when the handle's `cancel()` is called (it also stops the
+  reads), or after `prefetch_hold_secs`; every object read is either in L1, held, or released.
 - `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
   and joins its thread and the backends' thread pools.
 
@@ -40,9 +43,10 @@ import torch
 from lmcache_vllm import logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
-from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.base import Handoff, StorageBackend
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
+from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.tiers import build_allocator, build_lower_tiers
 
 logger = logging.getLogger(__name__)
@@ -54,7 +58,7 @@ def _key_str(key: KeyLike) -> str:
     return key if isinstance(key, str) else key.to_str()
 
 
-class StorageManager:
+class StorageManager(LowerTierReads):
     def __init__(self, config: LMCacheConfig, *, allocator: Optional[HostAllocator] = None,
                  key_filter: Optional[Callable[[str], bool]] = None):
         extra = config.extra_config
@@ -116,92 +120,6 @@ class StorageManager:
                     self._pending -= 1
                 self._queue.task_done()
 
-    async def _locate(self, keys: Sequence[str]) -> list[Optional[StorageBackend]]:
-        """For each key the first lower tier holding it (None: nowhere); one batch per tier."""
-        where: list[Optional[StorageBackend]] = [None] * len(keys)
-        unknown = list(range(len(keys)))
-        for tier in self.lower:
-            if not unknown:
-                break
-            try:
-                found = await tier.contains([keys[i] for i in unknown])
-            except Exception as exc:
-                logs.warn(logger, f"{tier.name}_contains_failed", "%s contains failed: %r", tier.name, exc)
-                metrics.inc("failed_reads", tier=tier.name)
-                continue
-            unknown_next = []
-            for i, hit in zip(unknown, found):
-                if hit:
-                    where[i] = tier
-                else:
-                    unknown_next.append(i)
-            unknown = unknown_next
-        return where
-
-    async def _prefix_in_lower(self, keys: Sequence[str]) -> list[str]:
-        where = await self._locate(keys)
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        return [tier.name for tier in where[:n]]
-
-    async def _fetch(self, keys: Sequence[str]) -> list[MemoryObj]:
-        """Reads the longest lower-tier prefix of `keys` into L1 memory; promotes; refs for the caller."""
-        where = await self._locate(keys)
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        by_tier: dict[int, list[int]] = {}
-        for i in range(n):
-            by_tier.setdefault(self.lower.index(where[i]), []).append(i)
-        alloc = self.l1.try_allocate
-
-        async def read(tier: StorageBackend, idx: list[int]):
-            t0 = time.perf_counter()
-            try:
-                return await tier.get_many([keys[i] for i in idx], alloc)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logs.warn(logger, f"{tier.name}_get_failed", "%s get failed: %r", tier.name, exc)
-                metrics.inc("failed_reads", tier=tier.name)
-                return [None] * len(idx)
-            finally:
-                metrics.observe("tier_read_seconds", time.perf_counter() - t0, tier=tier.name)
-
-        tiers = list(by_tier)
-        results = await gather_owned(read(self.lower[t], by_tier[t]) for t in tiers)
-        objs: list[Optional[MemoryObj]] = [None] * n
-        for t, got in zip(tiers, results):
-            for i, obj in zip(by_tier[t], got):
-                objs[i] = obj
-        keep = next((i for i, obj in enumerate(objs) if obj is None), n)
-        release_objs(objs[keep:])
-        for i in range(keep):
-            tier = where[i]
-            metrics.inc("chunk_hits", tier=tier.name)
-            metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
-            self.l1.put_sync(keys[i], objs[i])
-        for tier in self.lower:  # keys each tier was asked about and could not serve
-            asked = sum(1 for i in range(len(keys)) if where[i] is None or
-                        self.lower.index(where[i]) > self.lower.index(tier))
-            metrics.inc("chunk_misses", asked, tier=tier.name)
-        return objs[:keep]
-
-    async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
-        try:
-            objs = await self._fetch(keys)
-        except asyncio.CancelledError:
-            handoff.deliver([])
-            raise
-        except Exception:
-            logs.warn(logger, "storage_read_failed", "storage read failed", exc_info=True)
-            metrics.inc("storage_errors", op="get")
-            objs = []
-        handoff.deliver(objs)
-
-    async def _prefetch(self, keys: Sequence[str], owner: int) -> int:
-        objs = await self._fetch(keys)
-        for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
-            self._holds.hold(owner, key, obj)
-        return len(objs)
-
     # ---- facade -----------------------------------------------------------------------------------
     def allocate(self, shape, dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
         """A MemoryObj from the L1 arena (evicting LRU entries); raises memory.AllocationError when full."""
@@ -230,27 +148,9 @@ class StorageManager:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
 
     def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
-        """Whether each key is in some tier (L1 first, then one batch per lower tier); a tier that does
-        not answer within the lookup timeout counts as not having them."""
-        ks = [_key_str(k) for k in keys]
-        found = [self.l1.contains_sync(k) for k in ks]
-        missing = [i for i, hit in enumerate(found) if not hit]
-        if not missing or not self.lower or self._closed:
-            return found
-        fut = asyncio.run_coroutine_threadsafe(self._locate([ks[i] for i in missing]), self._loop)
-        try:
-            where = fut.result(self.lookup_timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            metrics.inc("storage_timeouts", op="lookup")
-            return found
-        except Exception:
-            logs.warn(logger, "storage_lookup_failed", "storage lookup failed", exc_info=True)
-            metrics.inc("storage_errors", op="lookup")
-            return found
-        for i, tier in zip(missing, where):
-            found[i] = tier is not None
-        return found
+        """Whether each key is in L1 memory: no I/O, so the store path never waits on a slow tier (a
+        write-through that finds a key present in a lower tier skips it there)."""
+        return [self.l1.contains_sync(_key_str(k)) for k in keys]
 
     def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
         return len(self.prefix_tiers(keys))
@@ -274,12 +174,15 @@ class StorageManager:
             metrics.inc("storage_errors", op="lookup")
         return found
 
-    def get(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
-        """The longest prefix of `keys` found in any tier; each object carries a ref for the caller."""
+    def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
+            lower_tiers: bool = True) -> list[MemoryObj]:
+        """The longest prefix of `keys` found in any tier; each object carries a ref for the caller.
+        With `owner` (a prefetch's `handle.owner`) that prefetch's holds become the caller's refs.
+        `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier)."""
         ks = [_key_str(k) for k in keys]
         out: list[MemoryObj] = []
         for k in ks:
-            obj = self._holds.take(k)  # a prefetch's hold becomes the caller's reference
+            obj = self._holds.take(k, owner)  # a prefetch's hold becomes the caller's reference
             if obj is None:
                 obj = self.l1.get_sync(k)
             if obj is None:
@@ -290,7 +193,7 @@ class StorageManager:
         if len(out) == len(ks):
             return out
         metrics.inc("chunk_misses", len(ks) - len(out), tier=self.l1.name)
-        if not self.lower or self._closed:
+        if not self.lower or self._closed or not lower_tiers:
             return out
         handoff = Handoff()
         fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff), self._loop)
@@ -302,8 +205,9 @@ class StorageManager:
         return out + lower
 
     def prefetch(self, keys: Sequence[KeyLike]) -> PrefetchHandle:
-        """Reads the available prefix of `keys` into L1 in the background and holds it (L1 hits
-        included) until a `get` takes it, the handle is cancelled or `prefetch_hold_secs` pass."""
+        """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
+        is (`handle.located()`), reads that into L1 and holds it too. Holds last until a `get` with
+        `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass."""
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
@@ -321,10 +225,12 @@ class StorageManager:
         # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
         self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not self.lower:
-            return PrefetchHandle(None, n, release)
+            return PrefetchHandle(None, n, release, owner)
         metrics.inc("prefetches")
-        fut = asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner), self._loop)
-        return PrefetchHandle(fut, n, release)
+        handle = PrefetchHandle(None, n, release, owner, lower_pending=True)
+        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n),
+                                                       self._loop))
+        return handle
 
     def clear(self, lower_tiers: bool = True) -> bool:
         """Empties L1, prefetch holds included (and the lower tiers unless `lower_tiers` is False);

@@ -1,11 +1,18 @@
 """Prefetch bookkeeping for StorageManager: `PrefetchHolds` (the references prefetches keep on the
-chunks they found, by key, so that L1 cannot evict them before the request's `get`) and
-`PrefetchHandle` (what `StorageManager.prefetch` returns: wait / done / cancel)."""
+chunks they found, by key and owner, so that L1 cannot evict them before the request's `get`) and
+`PrefetchHandle` (what `StorageManager.prefetch` returns: where the chunks are, wait / done / cancel).
+
+A prefetch is the two-phase protocol of a lookup that promised chunks to a request (vLLM's
+`kv_offload` prepare/complete is the model): phase one holds every chunk found in L1 at once and asks
+the lower tiers where the rest is (`located`); phase two reads those into L1 memory and holds them too.
+A `get` with the prefetch's `owner` takes the holds over; `cancel()` or the hold timeout drop them.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lmcache_vllm.memory import MemoryObj
@@ -40,16 +47,23 @@ class PrefetchHolds:
                 return
         obj.ref_down()
 
-    def take(self, key: str) -> Optional[MemoryObj]:
-        """One held object for `key`, its reference passed to the caller; None if nothing holds it."""
+    def take(self, key: str, owner: Optional[int] = None) -> Optional[MemoryObj]:
+        """One held object for `key` (held by `owner` when given), its reference passed to the caller;
+        None if nothing (or not that owner) holds it. Taking another request's hold would leave that
+        request unprotected, hence the owner."""
         with self._lock:
             entries = self._by_key.get(key)
             if not entries:
                 return None
-            owner, obj = entries.pop()
+            index = len(entries) - 1
+            if owner is not None:
+                index = next((i for i, (o, _) in enumerate(entries) if o == owner), -1)
+                if index < 0:
+                    return None
+            taker, obj = entries.pop(index)
             if not entries:
                 del self._by_key[key]
-            self._owners[owner].remove(key)
+            self._owners[taker].remove(key)
         obj.touch()
         return obj
 
@@ -83,23 +97,77 @@ class PrefetchHolds:
         for owner in owners:
             self.release_owner(owner)
 
-    def num_held(self) -> int:
+    def num_held(self, owner: Optional[int] = None) -> int:
         with self._lock:
+            if owner is not None:
+                return len(self._owners.get(owner, ()))
             return sum(len(entries) for entries in self._by_key.values())
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where the chunks a prefetch asked for are: one tier name per chunk of the run found from the
+    first key ("local_cpu" for L1, then the lower tiers' names)."""
+
+    tiers: tuple
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.tiers)
+
+
+def _in_l1(n: int) -> Located:
+    return Located(("local_cpu",) * n)
+
+
 class PrefetchHandle:
-    """A background read of lower-tier chunks into L1; what it found stays held until a `get` takes
-    it, `cancel()` or the hold timeout."""
+    """A background read of lower-tier chunks into L1; what it found stays held until a `get` with its
+    `owner` takes it, `cancel()` or the hold timeout."""
 
     def __init__(self, future: Optional[concurrent.futures.Future], ready: int = 0,
-                 release: Optional[Callable[[], None]] = None):
+                 release: Optional[Callable[[], None]] = None, owner: Optional[int] = None,
+                 lower_pending: bool = False):
         self._future = future
-        self._ready = ready
+        self._ready = ready  # chunks held from L1 when the prefetch started
         self._release = release
+        self.owner = owner
+        self._located: Optional[Located] = None
+        self._located_event = threading.Event()
+        if not lower_pending:  # everything it will hold is known now
+            self.set_located(_in_l1(ready))
+        self.cancelled = False
+
+    def attach(self, future: concurrent.futures.Future) -> None:
+        """The lower-tier phase, started after the handle exists (it reports back to the handle)."""
+        self._future = future
+        future.add_done_callback(self._located_if_never_answered)
+
+    def _located_if_never_answered(self, _future) -> None:
+        # Failed or cancelled before the lower tiers answered: what L1 held is all there is.
+        if not self._located_event.is_set():
+            self.set_located(_in_l1(self._ready))
+
+    def set_located(self, located: Located) -> None:
+        """Called from the storage loop once the lower tiers answered (or could not answer in time)."""
+        self._located = located
+        self._located_event.set()
+
+    def located(self, timeout: Optional[float] = 0.0) -> Optional[Located]:
+        """Where the chunks are, waiting at most `timeout` seconds (None: forever) for the lower tiers'
+        answer; None while they have not answered."""
+        if not self._located_event.is_set() and timeout != 0.0:
+            self._located_event.wait(timeout)
+        return self._located
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """`callback()` once the reads are over (at once if they are); runs on the storage loop."""
+        if self._future is None:
+            callback()
+        else:
+            self._future.add_done_callback(lambda _: callback())
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Number of keys (from the first) in L1 once the prefetch is done; 0 on timeout or cancel."""
@@ -114,7 +182,9 @@ class PrefetchHandle:
 
     def cancel(self) -> bool:
         """Stops the reads and releases every hold of this prefetch (the request went away)."""
+        self.cancelled = True
         cancelled = self._future.cancel() if self._future is not None else False
         if self._release is not None:
             self._release()
+        self._located_event.set()
         return cancelled

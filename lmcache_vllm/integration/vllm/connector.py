@@ -113,7 +113,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                 chunk_size=self.config.chunk_size, block_size=block_size, lookup_client=client,
                 can_load=self.can_load, can_save=self.can_save,
                 save_unfull_chunk=self.config.save_unfull_chunk,
-                save_decode_cache=self.config.save_decode_cache)
+                save_decode_cache=self.config.save_decode_cache,
+                async_loading=self.config.enable_async_loading)
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
@@ -123,6 +124,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                                                                  kv_cache_config),
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
                 async_save=self.config.extra_config.async_save,
+                load_timeout_s=self.config.blocking_timeout_secs,
                 lookup_address=layout.lookup_address(instance_id) if self.can_load else None,
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
                 failure_agreement=TPFailureAgreement(layout.tp_size))
@@ -180,7 +182,7 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(meta, LMCacheConnectorMetadata) and meta.loads:
+        if isinstance(meta, LMCacheConnectorMetadata):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -198,6 +200,13 @@ class LMCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, LMCacheConnectorMetadata):
             self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._worker.get_finished(meta if isinstance(meta, LMCacheConnectorMetadata) else None,
+                                         finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

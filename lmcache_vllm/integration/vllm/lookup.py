@@ -2,23 +2,27 @@
 
 vLLM's scheduler decides how many prompt tokens the connector can supply, but the cache (the
 `CacheEngine` and its storage tiers) lives beside the worker that owns the KV cache, possibly in another
-process. Each worker rank runs a `LookupServer` thread answering "how many leading tokens of these ids
-do you hold?"; the scheduler's `LookupClient` asks every rank and takes the minimum (with tensor
-parallelism a prefix is only usable if every rank has its shard).
+process. Each worker rank runs a `LookupServer` thread answering a `LookupQuery` ("request R: which of
+these tokens (with these extra keys), from token `start` on, do you hold?") with a `LookupAnswer` (the
+run of cached tokens and the tier of each of its chunks, or `pending`: a slower tier has not said yet,
+ask again). A lookup is also a promise: the worker holds what it reported for request R until R's load
+takes it or R goes away. The scheduler's `LookupClient` asks every rank and takes the minimum (with
+tensor parallelism a prefix is only usable if every rank has its shard).
 
 When every rank's server lives in the client's own process (vLLM's engine core with a single worker,
 the common case: scheduler and worker share the process), the client calls the servers' lookup
 functions directly instead of going through the sockets: measured inside vLLM, a socket round trip
 took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
 
-Wire format (no pickle): lookup request = [seq: u64 LE, token ids: int64 LE array, extra keys:
-`ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq, hit tokens: i64 LE + one byte per chunk of
-the hit: its tier's index in `metrics.TIERS`]; command request = [seq, b"cmd", name] (b"cmd" is never a
-token payload: not a whole number of int64), reply = [seq, i64 LE result]. A rank that does not answer
-within the timeout counts as 0 hits (a failed command), never an error.
+Wire format (no pickle): lookup request = [seq: u64 LE, request id: UTF-8, start: u64 LE, token ids:
+int64 LE array, extra keys: `ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq, end of the hit
+tokens: i64 LE, start: i64 LE, pending: u8, then one byte per chunk of the hit from start: its tier's
+index in `metrics.TIERS`]; command request = [seq, b"cmd", name], reply = [seq, i64 LE result]. A rank
+that does not answer within the timeout counts as 0 hits (a failed command), never an error.
 
-The answer (`LookupAnswer`) says which tier holds each chunk of the hit (vLLM's hit-source metric and our
-`hit_tokens{tier}`); over several ranks a chunk counts in the slowest tier any rank holds it in. The same
+The answer (`LookupAnswer`) says which tier holds each chunk of the hit (whether the load needs a slower
+tier, vLLM's hit-source metric and our `hit_tokens{tier}`); over several ranks a chunk counts in the
+slowest tier any rank holds it in. The same
 channel carries commands to every rank (`LookupClient.command`, e.g. clearing the cache for vLLM's
 `/reset_prefix_cache`); each answers an integer, and the client gets every rank's or None.
 
@@ -50,7 +54,9 @@ logger = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
+_ANSWER = struct.Struct("<qqB")  # hit end, start, pending; the chunks' tier codes follow
 _CMD = b"cmd"
+_MAX_REQ_ID = 1024  # bytes of a request id on the wire (vLLM's are ~40)
 _UNKNOWN_TIER = 255
 _MAX_IPC_PATH = 100  # sockaddr_un.sun_path holds 107 bytes plus NUL on Linux
 
@@ -104,44 +110,67 @@ def decode_tokens(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload, dtype="<i8")
 
 
+class LookupQuery(NamedTuple):
+    """What the scheduler asks a rank about one request."""
+
+    req_id: str
+    token_ids: np.ndarray  # int64, the request's tokens so far
+    start: int = 0  # vLLM already holds tokens [0, start): only chunks from there on are of use
+    extra: ExtraKeys = NO_EXTRA_KEYS
+
+
 class LookupAnswer(NamedTuple):
-    hit_tokens: int
-    chunk_tiers: tuple[str, ...] = ()  # tier name of each chunk of the hit, in order ("" = not said)
+    hit_tokens: int  # the cached run ends here (0: nothing cached)
+    chunk_tiers: tuple[str, ...] = ()  # tier name of each chunk of the run from `start` ("" = not said)
+    start: int = 0  # the run starts here (chunk-aligned, at or before the query's start)
+    pending: bool = False  # a slower tier has not said yet where the chunks are: ask again
 
     @classmethod
     def of(cls, value) -> "LookupAnswer":
         """A lookup function's result (a LookupAnswer, or a plain hit count) as a LookupAnswer."""
         return value if isinstance(value, LookupAnswer) else cls(int(value))
 
+    @property
+    def in_l1(self) -> bool:
+        """Every chunk of the hit is in host memory: loading it is a copy, no tier read waits."""
+        return all(t == "local_cpu" for t in self.chunk_tiers)
+
     def encode(self) -> bytes:
         codes = bytes(metrics.TIERS.index(t) if t in metrics.TIERS else _UNKNOWN_TIER for t in self.chunk_tiers)
-        return _I64.pack(self.hit_tokens) + codes
+        return _ANSWER.pack(self.hit_tokens, self.start, int(self.pending)) + codes
 
     @classmethod
     def decode(cls, payload: bytes) -> "LookupAnswer":
-        tiers = tuple(metrics.TIERS[c] if c < len(metrics.TIERS) else "" for c in payload[_I64.size:])
-        return cls(_I64.unpack_from(payload)[0], tiers)
+        hit, start, pending = _ANSWER.unpack_from(payload)
+        tiers = tuple(metrics.TIERS[c] if c < len(metrics.TIERS) else "" for c in payload[_ANSWER.size:])
+        return cls(hit, tiers, start, bool(pending))
 
     @classmethod
     def minimum(cls, answers: Sequence["LookupAnswer"]) -> "LookupAnswer":
-        """What every rank holds: the shortest hit; each chunk in the slowest tier any rank has it in."""
+        """What every rank holds: pending if any rank is; the shortest hit; each chunk in the slowest tier
+        any rank has it in (every rank was asked from the same start, so their chunks line up)."""
+        if any(a.pending for a in answers):
+            return cls(0, pending=True)
+        start = max(a.start for a in answers)
         hit = max(0, min(a.hit_tokens for a in answers))
-        n = min(len(a.chunk_tiers) for a in answers) if hit else 0
+        if hit <= start:
+            return cls(0, start=start)
+        n = min(len(a.chunk_tiers) for a in answers)
         order = {t: i for i, t in enumerate(metrics.TIERS)}
         tiers = tuple(max((a.chunk_tiers[i] for a in answers), key=lambda t: order.get(t, len(order)))
                       for i in range(n))
-        return cls(hit, tiers)
+        return cls(hit, tiers, start)
 
 
 class LookupServer:
     """Answers prefix lookups and commands for one worker rank on its own daemon thread.
 
-    `lookup_fn(token_ids: np.ndarray, extra: ExtraKeys) -> LookupAnswer | int` is the engine's lookup;
-    an exception in it answers 0. More than `max_tokens` token ids are answered 0 without a lookup.
+    `lookup_fn(LookupQuery) -> LookupAnswer | int` is the worker's lookup; an exception in it answers 0.
+    More than `max_tokens` token ids are answered 0 without a lookup.
     `commands` maps a name to a function returning an int (a failing one answers -1).
     """
 
-    def __init__(self, address: str, lookup_fn: Callable[[np.ndarray, ExtraKeys], "LookupAnswer | int"],
+    def __init__(self, address: str, lookup_fn: Callable[[LookupQuery], "LookupAnswer | int"],
                  max_tokens: int = 1 << 20, commands: dict[str, Callable[[], int]] | None = None):
         self.address = address
         self._lookup_fn = lookup_fn
@@ -151,7 +180,7 @@ class LookupServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A peer sending a larger message is disconnected by ZMQ before it is buffered.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max(self.max_tokens * 8, MAX_EXTRA_BYTES) + 64)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(self.max_tokens * 8, MAX_EXTRA_BYTES) + _MAX_REQ_ID + 64)
         self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
         if self._path:
             private_socket_dir(os.path.dirname(self._path))
@@ -170,25 +199,28 @@ class LookupServer:
         if len(frames) == 4 and frames[2] == _CMD and len(frames[1]) == _U64.size:
             identity, seq, _, name = frames
             return [identity, seq, _I64.pack(self.command(name.decode("utf-8", "replace")))]
-        if len(frames) != 4 or len(frames[1]) != _U64.size:
+        if len(frames) != 6 or len(frames[1]) != _U64.size or len(frames[3]) != _U64.size:
             metrics.inc("lookup_rejected")
             logs.warn(logger, "malformed_lookup", "malformed lookup request (%d frames) ignored", len(frames))
             return None
-        identity, seq, payload, extra_bytes = frames
+        identity, seq, req_id, start, payload, extra_bytes = frames
         try:
+            if len(req_id) > _MAX_REQ_ID:
+                raise ValueError(f"request id of {len(req_id)} bytes")
             tokens = decode_tokens(payload)
             if len(tokens) > self.max_tokens:
                 raise ValueError(f"{len(tokens)} tokens, at most {self.max_tokens}")
-            extra = ExtraKeys.from_bytes(extra_bytes)
-        except ValueError as exc:
+            query = LookupQuery(req_id.decode("utf-8"), tokens, _U64.unpack(start)[0],
+                                ExtraKeys.from_bytes(extra_bytes))
+        except ValueError as exc:  # UnicodeDecodeError is one too
             metrics.inc("lookup_rejected")
             logs.warn(logger, "malformed_lookup", "malformed lookup request (%s); answering 0 hits", exc)
             return [identity, seq, LookupAnswer(0).encode()]
-        return [identity, seq, self.lookup(tokens, extra).encode()]
+        return [identity, seq, self.lookup(query).encode()]
 
-    def lookup(self, token_ids: np.ndarray, extra: ExtraKeys | None = None) -> LookupAnswer:
+    def lookup(self, query: LookupQuery) -> LookupAnswer:
         try:
-            return LookupAnswer.of(self._lookup_fn(token_ids, extra or NO_EXTRA_KEYS))
+            return LookupAnswer.of(self._lookup_fn(query))
         except Exception:  # the cache never breaks inference: a failing lookup is a miss
             logs.warn(logger, "lookup_failed", "lookup failed; answering 0 hits", exc_info=True)
             return LookupAnswer(0)
@@ -262,14 +294,15 @@ class LookupClient:
             servers = [_local_servers.get(a) for a in self._addresses]
         return None if None in servers else servers
 
-    def lookup(self, token_ids: Sequence[int], extra: ExtraKeys | None = None) -> LookupAnswer:
+    def lookup(self, query: LookupQuery) -> LookupAnswer:
         servers = self._local()
         if servers is not None:
             metrics.inc("lookups_in_process")
-            tokens = np.asarray(token_ids, dtype=np.int64)
-            return LookupAnswer.minimum([server.lookup(tokens, extra) for server in servers])
+            return LookupAnswer.minimum([server.lookup(query) for server in servers])
         with self._lock:
-            payloads = self._ask([encode_tokens(token_ids), extra.to_bytes() if extra else b""])
+            payloads = self._ask([query.req_id.encode("utf-8"), _U64.pack(max(0, int(query.start))),
+                                  encode_tokens(query.token_ids), query.extra.to_bytes() if query.extra else b""],
+                                 min_size=_ANSWER.size)
         if payloads is None:
             metrics.inc("lookup_timeouts")
             return LookupAnswer(0)
@@ -281,18 +314,18 @@ class LookupClient:
         if servers is not None:
             return [server.command(name) for server in servers]
         with self._lock:
-            payloads = self._ask([_CMD, name.encode()], exact_size=_I64.size)
+            payloads = self._ask([_CMD, name.encode()], min_size=_I64.size, exact_size=_I64.size)
         return None if payloads is None else [_I64.unpack(p)[0] for p in payloads]
 
-    def _ask(self, frames: list[bytes], exact_size: int | None = None) -> list[bytes] | None:
+    def _ask(self, frames: list[bytes], min_size: int, exact_size: int | None = None) -> list[bytes] | None:
         """Sends [seq, *frames] to every rank; each rank's reply payload, None after the timeout."""
         self._seq += 1
         seq = _U64.pack(self._seq)
         for sock in self._sockets:
             sock.send_multipart([seq, *frames])
-        return self._collect(seq, exact_size)
+        return self._collect(seq, min_size, exact_size)
 
-    def _collect(self, seq: bytes, exact_size: int | None) -> list[bytes] | None:
+    def _collect(self, seq: bytes, min_size: int, exact_size: int | None) -> list[bytes] | None:
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
@@ -315,7 +348,7 @@ class LookupClient:
                     except zmq.Again:
                         break
                     # Replies to earlier requests that timed out are stale: skip them.
-                    if len(frames) == 2 and frames[0] == seq and len(frames[1]) >= _I64.size and (
+                    if len(frames) == 2 and frames[0] == seq and len(frames[1]) >= min_size and (
                             exact_size is None or len(frames[1]) == exact_size):
                         answers[index] = frames[1]
         return [answers[i] for i in range(len(self._sockets))]

@@ -4,8 +4,8 @@
 tensor parallelism), so it holds plain ints, lists and numpy arrays only (token ids are one int64 array
 per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them) and the
 request's `ExtraKeys` (frozen bytes; None only where nothing is cached). Per request it carries at most one
-`LoadSpec` (copy a cached prefix into the paged KV cache before the forward) and one `SaveSpec` (copy
-freshly computed KV out of the paged cache after it).
+`LoadSpec` (copy a cached prefix into the paged KV cache before the forward, or asynchronously while
+the request waits) and one `SaveSpec` (copy freshly computed KV out of the paged cache after it).
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class LoadSpec:
     `token_ids` is the cached prefix whose chunks are fetched (chunk-aligned or the whole stored
     sequence); tokens before `skip_leading` are already in vLLM's own prefix cache and tokens at or
     after `load_end` are left for vLLM to compute (a full-prompt hit leaves the last token).
+    `is_async`: the request waits in vLLM's WAITING_FOR_REMOTE_KVS while its chunks are read from a
+    slower tier; the worker copies them in once they are in L1 and reports the request finished
+    receiving (`get_finished`).
     """
 
     req_id: str
@@ -45,6 +48,7 @@ class LoadSpec:
     skip_leading: int
     load_end: int
     extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
+    is_async: bool = False
 
     @property
     def num_tokens_to_load(self) -> int:
@@ -78,6 +82,8 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    release_req_ids: list[str] = field(default_factory=list)  # looked up, will load nothing: unhold
+    idle: bool = False  # vLLM computes nothing this step (e.g. every request waits for its load)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.release_req_ids

@@ -6,7 +6,14 @@ every lookup, load and save, block ids as vLLM allocates them, how far saves hav
 load) and turns vLLM's scheduling decisions into `LoadSpec` / `SaveSpec`s for the worker half.
 
 Rules:
-- Hits come from the workers' `LookupServer`s; a lookup that times out is 0 hits.
+- Hits come from the workers' `LookupServer`s; a lookup that times out is 0 hits. Only chunks from
+  vLLM's own prefix-cache hit (`num_computed_tokens`) on are looked up and loaded. A lookup whose
+  slower tiers have not answered yet is `None` to vLLM (it tries the request again next step and runs
+  the others meanwhile). vLLM asks again every step while a request waits for blocks: the answer is
+  reused until its blocks are allocated (the workers hold the chunks it promised until then).
+- A hit all in L1 is loaded synchronously inside the step (a copy). A hit that needs a slower tier is
+  loaded asynchronously (`enable_async_loading`): vLLM keeps the request in WAITING_FOR_REMOTE_KVS
+  while the workers read its chunks into L1 and runs the other requests meanwhile.
 - Keys cover what besides token ids decides the KV (LoRA, multimodal items, cache salt, prompt
   embeddings: `request_keys.py`); the request's `ExtraKeys` go with every lookup, load and save. A
   request whose extra keys cannot be derived is neither looked up nor saved (`uncacheable_requests`).
@@ -28,7 +35,7 @@ import numpy as np
 
 from lmcache_vllm import logs, metrics
 from lmcache_vllm.extra_keys import ExtraKeys
-from lmcache_vllm.integration.vllm.lookup import LookupAnswer
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
 
@@ -57,9 +64,9 @@ class _PendingLoad:
 
 @dataclass
 class _Lookup:
-    hit_tokens: int  # stored prefix length the workers reported
-    num_computed_tokens: int  # vLLM's local hit the answer was relative to
-    chunk_tiers: tuple[str, ...] = ()  # tier holding each chunk of the hit ("" = unknown)
+    answer: LookupAnswer  # what the workers reported (and hold): the run, the tier of each chunk
+    num_computed_tokens: int = 0  # vLLM's local hit at the latest ask
+    load_async: bool = False  # the answer given to vLLM at the latest ask
 
 
 class RequestTracker:
@@ -102,7 +109,7 @@ class SchedulerHalf:
 
     def __init__(self, *, chunk_size: int, block_size: int, lookup_client, can_load: bool,
                  can_save: bool, save_unfull_chunk: bool, save_decode_cache: bool,
-                 request_keys: RequestKeys | None = None):
+                 request_keys: RequestKeys | None = None, async_loading: bool = True):
         if chunk_size <= 0 or block_size <= 0:
             raise ValueError(f"chunk_size ({chunk_size}) and block_size ({block_size}) must be positive")
         self.chunk_size = chunk_size
@@ -116,9 +123,12 @@ class SchedulerHalf:
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._warned_reasons: set[str] = set()
+        self.async_loading = async_loading
+        self._async_loads: list[tuple[RequestTracker, _PendingLoad]] = []
+        self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
 
     # ------------------------------------------------------------------ vLLM hooks
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.can_load:
             return 0, False
         num_tokens = request.num_tokens
@@ -127,15 +137,26 @@ class SchedulerHalf:
         tracker = self._tracker(request)
         if tracker.extra is None:
             return 0, False
-        with metrics.timed("lookup_seconds"):
-            answer = LookupAnswer.of(self.lookup_client.lookup(tracker.token_array(), tracker.extra))
-        metrics.inc("lookups")
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None or lookup.answer.pending or num_computed_tokens < lookup.answer.start:
+            # First ask, an answer still pending, or vLLM's own hit shrank below the cached run.
+            query = LookupQuery(request.request_id, tracker.token_array(), num_computed_tokens, tracker.extra)
+            with metrics.timed("lookup_seconds"):
+                answer = LookupAnswer.of(self.lookup_client.lookup(query))
+            lookup = self._lookups[request.request_id] = _Lookup(answer)
+            metrics.inc("lookups")
+        answer = lookup.answer
+        if answer.pending:
+            metrics.inc("pending_lookups")
+            return None, False
+        lookup.num_computed_tokens = num_computed_tokens
         hit = min(answer.hit_tokens, num_tokens)
-        self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, answer.chunk_tiers)
         usable = hit - 1 if hit == num_tokens else hit
+        lookup.load_async = False
         if usable <= num_computed_tokens:
             return 0, False
-        return usable - num_computed_tokens, False
+        lookup.load_async = self.async_loading and not answer.in_l1
+        return usable - num_computed_tokens, lookup.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -143,18 +164,26 @@ class SchedulerHalf:
         lookup = self._lookups.pop(request.request_id, None)
         tracker.pending_load = None
         tracker.hit_sources = {}
-        if num_external_tokens <= 0:
-            return
-        if lookup is None:
-            logger.warning("request %s: vLLM asks to load %d tokens without a lookup; ignored",
-                           request.request_id, num_external_tokens)
+        if num_external_tokens <= 0 or lookup is None:
+            if lookup is not None and lookup.answer.hit_tokens:
+                self._unheld.append(request.request_id)
+            if num_external_tokens > 0:
+                logger.warning("request %s: vLLM asks to load %d tokens without a lookup; ignored",
+                               request.request_id, num_external_tokens)
             return
         load_end = lookup.num_computed_tokens + num_external_tokens
-        fetch_len = min(lookup.hit_tokens, ceil_to(load_end, self.chunk_size))
-        tracker.pending_load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
+        fetch_len = min(lookup.answer.hit_tokens, ceil_to(load_end, self.chunk_size))
+        load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
         tracker.hit_sources = self._sources(lookup, load_end)
         for tier, n in tracker.hit_sources.items():
             metrics.inc("hit_tokens", n, tier=tier)
+        if lookup.load_async:
+            # The request waits in WAITING_FOR_REMOTE_KVS: it is in no scheduled list, so the load
+            # goes out with this step's metadata, into the blocks vLLM just allocated.
+            tracker.block_ids = list(blocks.get_block_ids()[0])
+            self._async_loads.append((tracker, load))
+        else:
+            tracker.pending_load = load
 
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """Tokens of the request's planned load by tier name (`unknown` where the lookup did not say)."""
@@ -162,9 +191,16 @@ class SchedulerHalf:
         return dict(tracker.hit_sources) if tracker is not None else {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
-        meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids))
+        meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids),
+                                        release_req_ids=self._unheld,
+                                        idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._unheld = []
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
+        for tracker, load in self._async_loads:
+            tracker.pending_load = load
+            self._emit_load(tracker, meta, is_async=True)
+        self._async_loads = []
         num_scheduled = scheduler_output.num_scheduled_tokens
 
         for new_req in scheduler_output.scheduled_new_reqs:
@@ -226,10 +262,12 @@ class SchedulerHalf:
         """Tokens [num_computed_tokens, load_end) split by the tier of the chunk each lies in."""
         sources: dict[str, int] = {}
         start = lookup.num_computed_tokens
+        first = lookup.answer.start // self.chunk_size  # the answer's chunks start there
+        tiers = lookup.answer.chunk_tiers
         while start < load_end:
             index = start // self.chunk_size
             end = min(load_end, (index + 1) * self.chunk_size)
-            tier = lookup.chunk_tiers[index] if index < len(lookup.chunk_tiers) else ""
+            tier = tiers[index - first] if 0 <= index - first < len(tiers) else ""
             sources[tier or "unknown"] = sources.get(tier or "unknown", 0) + end - start
             start = end
         return sources
@@ -238,7 +276,8 @@ class SchedulerHalf:
         self._trackers.pop(req_id, None)
         self._lookups.pop(req_id, None)
 
-    def _emit_load(self, tracker: RequestTracker, meta: LMCacheConnectorMetadata) -> None:
+    def _emit_load(self, tracker: RequestTracker, meta: LMCacheConnectorMetadata,
+                   is_async: bool = False) -> None:
         load = tracker.pending_load
         tracker.pending_load = None
         if load is None or load.load_end <= load.skip_leading:
@@ -246,10 +285,12 @@ class SchedulerHalf:
         meta.loads.append(LoadSpec(
             req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len), extra=tracker.extra,
             block_ids=tracker.block_ids[:ceil_to(load.fetch_len, self.block_size) // self.block_size],
-            skip_leading=load.skip_leading, load_end=load.load_end))
+            skip_leading=load.skip_leading, load_end=load.load_end, is_async=is_async))
         # Whole chunks we just loaded are stored already: no need to save them again.
         tracker.saved_end = max(tracker.saved_end, floor_to(load.load_end, self.chunk_size))
         metrics.inc("load_requests")
+        if is_async:
+            metrics.inc("async_load_requests")
 
     def _emit_save(self, tracker: RequestTracker, computed_before: int, kv_end: int,
                    meta: LMCacheConnectorMetadata) -> None:

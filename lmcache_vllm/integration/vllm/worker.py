@@ -3,8 +3,13 @@
 It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache tensors:
 - `register_kv_caches` detects the paged layout, builds the `CacheEngine` and starts this rank's
   `LookupServer`;
-- `start_load_kv` retrieves each `LoadSpec` before the forward (all layers at once, or layer by layer
-  driven by `wait_for_layer_load` when `use_layerwise`);
+- lookups (`_lookup`, from the lookup server) find and hold a request's chunks until its load takes
+  them (`loads.RequestLoads`);
+- `start_load_kv` retrieves each synchronous `LoadSpec` before the forward (all layers at once, or
+  layer by layer driven by `wait_for_layer_load` when `use_layerwise`), reading only the chunks vLLM
+  does not hold already, from memory only; an asynchronous one waits for its chunks to reach L1 while
+  vLLM runs other requests, and `get_finished` copies them in once they have and reports the request
+  finished receiving (aborted requests too, once their reads are stopped);
 - `save_kv_layer` / `wait_for_save` store each `SaveSpec` after the layers computed it. Whole-step
   saves (not layerwise) run on a background thread: the copy out of the paged cache (the gather) then
   overlaps vLLM's sampling and scheduling instead of delaying the step's tokens. `drain_saves` waits for
@@ -38,7 +43,8 @@ import numpy as np
 import torch
 
 from lmcache_vllm import logs, metrics
-from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupServer
+from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, RequestLoads
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery, LookupServer
 from lmcache_vllm.integration.vllm.metadata import (
     LMCacheConnectorMetadata,
     LoadSpec,
@@ -71,7 +77,8 @@ class WorkerHalf:
 
     def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
                  lookup_address: str | None, async_save: bool = True, max_lookup_tokens: int = 1 << 20,
-                 failure_agreement: Callable[[list[bool]], list[bool]] | None = None):
+                 failure_agreement: Callable[[list[bool]], list[bool]] | None = None,
+                 load_timeout_s: float = 10.0):
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.use_layerwise = use_layerwise
@@ -79,6 +86,9 @@ class WorkerHalf:
         self.max_lookup_tokens = max_lookup_tokens
         self._agree = failure_agreement or list
         self.engine = None
+        self.loads: RequestLoads | None = None
+        self._unloaded: set[str] = set()  # asynchronous loads refused while paused, to report done
+        self.load_timeout_s = load_timeout_s
         self.lookup_server: LookupServer | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
@@ -99,6 +109,8 @@ class WorkerHalf:
         from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
         self._side = SideStream(self.kv_caches[0].device)
         self.engine = self._engine_factory(kv_caches)
+        self.loads = RequestLoads(self.engine, timeout_s=self.load_timeout_s,
+                                  hold_s=self.engine.storage.prefetch_hold_secs)
         if self.async_save:
             # The save thread's copies run on it alone: a second OpenMP team in the process would
             # slow every parallel region of vLLM's model thread from then on (see threads.py).
@@ -112,14 +124,12 @@ class WorkerHalf:
         logger.debug("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                     getattr(self.engine, "layout", None), self.lookup_address)
 
-    def _lookup(self, token_ids, extra=None) -> LookupAnswer:
-        if self._pending_save_shares_prefix(token_ids):
+    def _lookup(self, query: LookupQuery) -> LookupAnswer:
+        if self._pending_save_shares_prefix(query.token_ids):
             self.drain_saves()  # chunks a just-finished request is still storing count as present
-        engine = self.engine
-        if engine is None:
+        if self.loads is None:
             return LookupAnswer(0)
-        hit, tiers = engine.lookup_tiers(token_ids, extra)
-        return LookupAnswer(hit, tuple(tiers))
+        return self.loads.lookup(query)
 
     def _reset(self, lower_tiers: bool) -> int:
         """vLLM's reset of the prefix cache (sent by the scheduler): saves handed out so far land first,
@@ -175,6 +185,8 @@ class WorkerHalf:
 
     def shutdown(self) -> None:
         self.drain_saves()
+        if self.loads is not None:
+            self.loads.close()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
             self._saver = None
@@ -193,31 +205,71 @@ class WorkerHalf:
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
+        if meta.release_req_ids:
+            self.loads.release(meta.release_req_ids)
         if self._paused:  # vLLM does not schedule while its cache is released; recompute if it ever did
             for spec in meta.loads:
                 self._load_errors.update(spec.block_ids)
+                if spec.is_async:
+                    self._unloaded.add(spec.req_id)  # reported done (failed), never left waiting
             return
         for spec in meta.loads:
+            if spec.is_async:
+                self.loads.begin_async(spec)
+                continue
+            held = self.loads.take(spec.req_id)
+            if held is not None and not held.ready():
+                # Async loading is off and the hit needs a slower tier: wait (bounded) for its reads.
+                held.handle.wait(self.load_timeout_s)
             with metrics.timed("load_seconds"):
-                self._start_load(spec)
+                self._start_load(spec, held)
 
-    def _start_load(self, spec: LoadSpec) -> None:
+    def get_finished(self, meta: LMCacheConnectorMetadata | None,
+                     finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load is done: copied in from L1 (what is missing is reported as
+        load errors in this same step), or aborted while waiting (reads stopped, nothing copied)."""
+        if self.loads is None:
+            return None, None
+        done = self.loads.abort(finished_req_ids) | self._unloaded
+        self._unloaded = set()
+        if meta is not None and meta.idle and not done:
+            self.loads.wait_for_progress(IDLE_STEP_WAIT_S)
+        for job in self.loads.ready_loads():
+            if self._paused:  # the KV cache views are not valid: nothing may be copied in
+                self._load_errors.update(job.spec.block_ids)
+                if job.held is not None:
+                    job.held.release()
+            else:
+                with metrics.timed("load_seconds"):
+                    self._start_load(job.spec, job.held, layerwise=False)
+            done.add(job.spec.req_id)
+        return None, (done or None)
+
+    def _start_load(self, spec: LoadSpec, held=None, layerwise: bool | None = None) -> None:
+        layerwise = self.use_layerwise if layerwise is None else layerwise
         num = len(spec.token_ids)
         wanted = torch.zeros(num, dtype=torch.bool)
         wanted[spec.skip_leading:spec.load_end] = True
         tokens = torch.as_tensor(spec.token_ids, dtype=torch.long)
+        owner = held.owner if held is not None else None
         try:
             slots = slot_mapping_for(spec.block_ids, self.block_size, num)
-            if self.use_layerwise:
-                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
+            if layerwise:
+                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra,
+                                                       owner=owner, lower_tiers=False)
                 loaded = next(retriever)
                 self._step.retrievers.append((spec, torch.as_tensor(loaded, dtype=torch.bool), retriever))
             else:
-                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted, extra=spec.extra)
+                # Memory only: the lookup's prefetch did the tier reads; none happens in the step.
+                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, wanted, extra=spec.extra,
+                                              owner=owner, lower_tiers=False)
         except Exception:
             logs.warn(logger, "load_failed", "request %s: load failed; vLLM will recompute", spec.req_id,
                       exc_info=True)
             loaded = torch.zeros(num, dtype=torch.bool)
+        finally:
+            if held is not None:
+                held.release()  # what the load did not take (chunks past load_end)
         missing = wanted & ~torch.as_tensor(loaded, dtype=torch.bool)
         self._fail_load(spec, missing, int(wanted.sum()))
 

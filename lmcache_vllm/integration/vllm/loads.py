@@ -1,0 +1,170 @@
+"""Per-request lookups, the chunks they hold, and asynchronous loads: the worker half's bookkeeping.
+
+- `lookup(query)` answers the scheduler for request R: the engine finds R's chunks from the token vLLM
+  already holds on and *holds* them (`CacheEngine.lookup_and_hold`: L1 chunks at once, lower-tier ones
+  are read into L1 in the background). The answer never waits on a slow tier for long: the first ask
+  waits at most `FIRST_ANSWER_WAIT_S` for the lower tiers to say where the chunks are, later asks not at
+  all; until they answer the result is `pending` (vLLM tries R again next step, other requests run).
+- The held prefix stays registered under R until R's load takes it (`take` / `begin_async`), the
+  scheduler says R loads nothing (`release`), R finishes, or the hold time of the storage passes.
+- An asynchronous load (`begin_async`) waits for its chunks to be read into L1 while vLLM runs other
+  requests; `ready_loads()` hands out those whose reads are over (or whose `timeout_s` passed: then
+  whatever is not in L1 is a failed load, recomputed by vLLM — never a hang). `abort(req_ids)` drops the
+  loads of requests that finished while waiting (aborted): their holds and reads are released.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from lmcache_vllm import metrics
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
+from lmcache_vllm.integration.vllm.metadata import LoadSpec
+
+logger = logging.getLogger(__name__)
+
+# The first ask for a request waits this long for the lower tiers' existence check (a disk index
+# lookup or one Redis pipeline: well under a millisecond when healthy). A slow or paused tier makes
+# the answer `pending` instead of stalling vLLM's scheduler, which then runs the other requests.
+FIRST_ANSWER_WAIT_S = 0.02
+# How long a step with nothing to compute waits for an asynchronous load to finish before returning
+# (vLLM then loops over empty steps; waiting here spares it most of that spinning).
+IDLE_STEP_WAIT_S = 0.01
+
+
+@dataclass
+class _Lookup:
+    held: object  # engine.HeldPrefix
+    start: int
+    num_tokens: int
+    created: float
+
+
+@dataclass
+class AsyncLoad:
+    spec: LoadSpec
+    held: object | None  # engine.HeldPrefix, None when the lookup's hold is gone
+    deadline: float
+
+
+class RequestLoads:
+    """See the module docstring. Thread-safe: lookups come from the lookup server's thread (or vLLM's
+    scheduler thread), loads from the worker's step."""
+
+    def __init__(self, engine, *, timeout_s: float, hold_s: float):
+        self.engine = engine
+        self.timeout_s = float(timeout_s)
+        self.hold_s = float(hold_s)
+        self._lock = threading.Lock()
+        self._lookups: dict[str, _Lookup] = {}
+        self._async: dict[str, AsyncLoad] = {}
+        self._progress = threading.Event()
+        self._last_purge = time.monotonic()
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, query: LookupQuery) -> LookupAnswer:
+        cs = self.engine.keys.chunk_size
+        start = max(0, int(query.start)) // cs * cs
+        now = time.monotonic()
+        stale = None
+        with self._lock:
+            entry = self._lookups.get(query.req_id)
+            wait = 0.0
+            if entry is not None and (entry.start != start or entry.num_tokens != len(query.token_ids)
+                                      or now - entry.created > self.hold_s):
+                stale, entry = entry, None
+            if entry is None:
+                held = self.engine.lookup_and_hold(query.token_ids, start, query.extra)
+                entry = self._lookups[query.req_id] = _Lookup(held, start, len(query.token_ids), now)
+                wait = FIRST_ANSWER_WAIT_S
+        if stale is not None:
+            stale.held.release()
+        self._purge(now)
+        hit = entry.held.located(wait)
+        if hit is None:
+            return LookupAnswer(0, pending=True)
+        return LookupAnswer(hit.end, hit.chunk_tiers, hit.start)
+
+    def _purge(self, now: float) -> None:
+        """Drops lookups nobody loaded or released within the hold time (their holds are gone)."""
+        if now - self._last_purge < self.hold_s:
+            return
+        self._last_purge = now
+        with self._lock:
+            old = [r for r, e in self._lookups.items() if now - e.created > self.hold_s]
+            entries = [self._lookups.pop(r) for r in old]
+        for entry in entries:
+            entry.held.release()
+
+    def take(self, req_id: str):
+        """The held prefix of `req_id`'s lookup for its load (None: no lookup or it expired)."""
+        with self._lock:
+            entry = self._lookups.pop(req_id, None)
+        return None if entry is None else entry.held
+
+    def release(self, req_ids) -> None:
+        """These requests will not load what their lookup holds (or are gone): let it go."""
+        with self._lock:
+            entries = [self._lookups.pop(r, None) for r in req_ids]
+        for entry in entries:
+            if entry is not None:
+                entry.held.release()
+
+    # ------------------------------------------------------------------ asynchronous loads
+    def begin_async(self, spec: LoadSpec) -> None:
+        held = self.take(spec.req_id)
+        job = AsyncLoad(spec, held, time.monotonic() + self.timeout_s)
+        with self._lock:
+            self._async[spec.req_id] = job
+        if held is not None:
+            held.handle.add_done_callback(self._progress.set)
+
+    def pending_async(self) -> int:
+        with self._lock:
+            return len(self._async)
+
+    def ready_loads(self) -> list[AsyncLoad]:
+        """Asynchronous loads whose reads are over or whose time is up (removed from the pending set)."""
+        now = time.monotonic()
+        with self._lock:
+            ready = [job for job in self._async.values()
+                     if job.held is None or job.held.ready() or now >= job.deadline]
+            for job in ready:
+                del self._async[job.spec.req_id]
+        for job in ready:
+            if job.held is not None and not job.held.ready():
+                metrics.inc("async_load_timeouts")
+                logger.warning("request %s: chunks not read within %.1fs; what is missing is recomputed",
+                               job.spec.req_id, self.timeout_s)
+                job.held.release()  # stops the reads; the load takes what reached L1
+                job.held = None
+        return ready
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Waits until some asynchronous load's reads finish, or `timeout` (bounded by the deadlines)."""
+        with self._lock:
+            if not self._async:
+                return
+            nearest = min(job.deadline for job in self._async.values())
+        self._progress.wait(max(0.0, min(timeout, nearest - time.monotonic())))
+        self._progress.clear()
+
+    def abort(self, req_ids) -> set[str]:
+        """Requests that finished (aborted) while their load was pending: their holds and reads are
+        released. Returns those that had an asynchronous load (vLLM waits to hear they are done)."""
+        ids = set(req_ids)
+        with self._lock:
+            jobs = [self._async.pop(r) for r in ids if r in self._async]
+        for job in jobs:
+            if job.held is not None:
+                job.held.release()
+        self.release(ids)
+        metrics.inc("aborted_async_loads", len(jobs))
+        return {job.spec.req_id for job in jobs}
+
+    def close(self) -> None:
+        with self._lock:
+            ids = list(self._async) + list(self._lookups)
+        self.abort(ids)

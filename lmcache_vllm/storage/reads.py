@@ -1,0 +1,122 @@
+"""How `StorageManager` reads its lower tiers (L2 disk, L3 Redis), on its event loop: `_locate` (which
+tier holds each key, one batched existence check per tier), `_fetch` (read the longest lower-tier prefix
+into L1 memory and promote it), `_prefetch` (phase two of a prefetch: locate, tell the handle, read,
+hold). A mixin: it uses the manager's `lower`, `l1`, `_holds` and `lookup_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional, Sequence
+
+from lmcache_vllm import logs, metrics
+from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.prefetch import Located, PrefetchHandle
+
+logger = logging.getLogger(__name__)
+
+
+class LowerTierReads:
+    async def _locate(self, keys: Sequence[str]) -> list[Optional[StorageBackend]]:
+        """For each key the first lower tier holding it (None: nowhere); one batch per tier."""
+        where: list[Optional[StorageBackend]] = [None] * len(keys)
+        unknown = list(range(len(keys)))
+        for tier in self.lower:
+            if not unknown:
+                break
+            try:
+                found = await tier.contains([keys[i] for i in unknown])
+            except Exception as exc:
+                logs.warn(logger, f"{tier.name}_contains_failed", "%s contains failed: %r", tier.name, exc)
+                metrics.inc("failed_reads", tier=tier.name)
+                continue
+            unknown_next = []
+            for i, hit in zip(unknown, found):
+                if hit:
+                    where[i] = tier
+                else:
+                    unknown_next.append(i)
+            unknown = unknown_next
+        return where
+
+    async def _prefix_in_lower(self, keys: Sequence[str]) -> list[str]:
+        where = await self._locate(keys)
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        return [tier.name for tier in where[:n]]
+
+    async def _fetch(self, keys: Sequence[str],
+                     where: Optional[list[Optional[StorageBackend]]] = None) -> list[MemoryObj]:
+        """Reads the longest lower-tier prefix of `keys` into L1 memory; promotes; refs for the caller.
+        `where` (from `_locate`) saves asking the tiers again."""
+        if where is None:
+            where = await self._locate(keys)
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        by_tier: dict[int, list[int]] = {}
+        for i in range(n):
+            by_tier.setdefault(self.lower.index(where[i]), []).append(i)
+        alloc = self.l1.try_allocate
+
+        async def read(tier: StorageBackend, idx: list[int]):
+            t0 = time.perf_counter()
+            try:
+                return await tier.get_many([keys[i] for i in idx], alloc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logs.warn(logger, f"{tier.name}_get_failed", "%s get failed: %r", tier.name, exc)
+                metrics.inc("failed_reads", tier=tier.name)
+                return [None] * len(idx)
+            finally:
+                metrics.observe("tier_read_seconds", time.perf_counter() - t0, tier=tier.name)
+
+        tiers = list(by_tier)
+        results = await gather_owned(read(self.lower[t], by_tier[t]) for t in tiers)
+        objs: list[Optional[MemoryObj]] = [None] * n
+        for t, got in zip(tiers, results):
+            for i, obj in zip(by_tier[t], got):
+                objs[i] = obj
+        keep = next((i for i, obj in enumerate(objs) if obj is None), n)
+        release_objs(objs[keep:])
+        for i in range(keep):
+            tier = where[i]
+            metrics.inc("chunk_hits", tier=tier.name)
+            metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
+            self.l1.put_sync(keys[i], objs[i])
+        for tier in self.lower:  # keys each tier was asked about and could not serve
+            asked = sum(1 for i in range(len(keys)) if where[i] is None or
+                        self.lower.index(where[i]) > self.lower.index(tier))
+            metrics.inc("chunk_misses", asked, tier=tier.name)
+        return objs[:keep]
+
+    async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
+        try:
+            objs = await self._fetch(keys)
+        except asyncio.CancelledError:
+            handoff.deliver([])
+            raise
+        except Exception:
+            logs.warn(logger, "storage_read_failed", "storage read failed", exc_info=True)
+            metrics.inc("storage_errors", op="get")
+            objs = []
+        handoff.deliver(objs)
+
+    async def _prefetch(self, keys: Sequence[str], owner: int, handle: PrefetchHandle,
+                        ready: int) -> int:
+        """Phase two of a prefetch: asks the lower tiers where `keys` are (bounded by the lookup
+        timeout: no answer in time is no hit), tells the handle, then reads and holds that prefix."""
+        try:
+            where = await asyncio.wait_for(self._locate(keys), self.lookup_timeout)
+        except asyncio.TimeoutError:
+            metrics.inc("storage_timeouts", op="lookup")
+            where = [None] * len(keys)
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        handle.set_located(Located(("local_cpu",) * ready + tuple(where[i].name for i in range(n))))
+        if n == 0:
+            return 0
+        objs = await self._fetch(keys[:n], where[:n])
+        for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
+            self._holds.hold(owner, key, obj)
+        return len(objs)
