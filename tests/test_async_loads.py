@@ -275,3 +275,29 @@ def test_async_load_stuck_on_disk_times_out_as_a_failed_load_not_a_hang(tmp_path
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             os.close(fd)
         worker.shutdown()
+
+
+def test_store_with_redis_paused_does_not_delay_the_next_step(redis_server, redis_engine):
+    """The store path touches L1 only: with Redis frozen, a save and the next step's wait for it take
+    a copy's time; the write to Redis lands once Redis is back."""
+    caches = make_caches(True, seed=9)
+    worker = WorkerHalf(engine_factory=lambda _: redis_engine, block_size=BLOCK, use_layerwise=False,
+                        lookup_address=None, async_save=True)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        tokens = list(range(5000, 5000 + 4 * CHUNK))
+        meta = LMCacheConnectorMetadata(saves=[SaveSpec("s", np.asarray(tokens), list(range(4 * CHUNK // BLOCK)), 0)])
+        pause = pause_redis(redis_server.url, 1.5)
+        started = time.monotonic()
+        worker.begin_step()
+        worker.wait_for_save(meta)  # hands the save to the save thread
+        worker.begin_step()  # the next step waits for that save's copy out of the paged cache
+        took = time.monotonic() - started
+        assert took < STEP_BUDGET_S, f"a step waited {took:.2f}s on a frozen Redis"
+        assert redis_engine.lookup(tokens) == 4 * CHUNK  # in L1 already
+        pause.join(5)
+        assert redis_engine.storage.flush(10)
+        redis_engine.storage.l1.clear_sync()
+        assert redis_engine.lookup(tokens) == 4 * CHUNK  # and in Redis once it answered again
+    finally:
+        worker.shutdown()

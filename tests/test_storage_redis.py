@@ -203,3 +203,44 @@ async def test_keyed_mac_values_of_another_writer_are_misses_and_deleted(redis_s
     assert metrics.value("unauthenticated_chunks") == 1
     for backend in (signed, other):
         await backend.close()
+
+
+async def test_large_read_slower_than_the_timeout_is_not_a_dead_server(redis_server, redis_prefix, make_chunk):
+    """The timeout is per chunk: a legitimate read of many large chunks may take longer than one chunk's
+    timeout without tripping the breaker (it used to cover the whole batch: a big hit became misses and
+    marked Redis down)."""
+    allocator = HostAllocator(140 << 20)
+    big = (4, 2, 256, 1024)  # 4 MiB of bf16 per chunk: 128 MiB in all, ~0.2-0.5 s over loopback
+    chunks = [make_chunk(i, big) for i in range(32)]
+    writer = RedisBackend(redis_server.url, prefix=redis_prefix)
+    for i, t in enumerate(chunks):
+        src = obj_of(allocator, t)
+        assert await writer.put(key(i), src)
+        src.ref_down()
+    await writer.close()
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.1, read_batch_keys=4)
+    start = time.monotonic()
+    got = await backend.get_many([key(i) for i in range(32)], alloc_fn(allocator))
+    took = time.monotonic() - start
+    assert all(obj is not None for obj in got), f"{sum(o is None for o in got)} misses in {took:.2f}s"
+    assert took > 0.1, "the read was quicker than one chunk's timeout: the test proves nothing"
+    assert not backend.breaker_open and metrics.value("failed_reads", tier="redis") == 0
+    for obj, t in zip(got, chunks):
+        assert torch.equal(obj.tensor, t)
+        obj.ref_down()
+    await backend.close()
+    assert allocator.used_bytes == 0
+
+
+async def test_put_of_a_key_already_in_redis_sends_no_value(redis_server, redis_prefix, allocator, make_chunk):
+    raw = redis.Redis.from_url(redis_server.url)
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix)
+    src = obj_of(allocator, make_chunk(1, CHUNK))
+    raw.config_resetstat()
+    assert await backend.put(key(1), src)
+    assert await backend.put(key(1), src)  # e.g. another instance stored it, or L1 evicted it
+    sets = raw.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+    assert sets == 1 and metrics.value("stored_chunks", tier="redis") == 1
+    src.ref_down()
+    raw.close()
+    await backend.close()

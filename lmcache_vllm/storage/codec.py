@@ -160,14 +160,17 @@ def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
     return header + bytes(header_len - len(header))
 
 
-def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> bytearray:
-    """Header + payload in one buffer (one copy of the payload; for stores that take a single value)."""
-    payload = payload_view(tensor)
+def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> memoryview:
+    """Header + payload in one buffer (one copy of the payload; for stores that take a single value).
+    The payload is copied with `ctypes.memmove` into an uninitialised buffer, without the GIL."""
+    payload_view(tensor)  # checks the tensor
     header = encode_header(key, tensor, mac=mac)
-    out = bytearray(len(header) + payload.nbytes)
-    out[:len(header)] = header
-    out[len(header):] = payload
-    return out
+    nbytes = tensor.numel() * tensor.element_size()
+    out = np.empty(len(header) + nbytes, dtype=np.uint8)
+    out[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+    if nbytes:
+        ctypes.memmove(out.ctypes.data + len(header), tensor.data_ptr(), nbytes)
+    return memoryview(out)
 
 
 def read_format_version(buf) -> Optional[int]:

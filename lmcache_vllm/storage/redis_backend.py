@@ -7,8 +7,12 @@
   `read_batch_keys` keys each; each MGET's values are decoded (copy into allocator memory + checksum)
   on a decode thread while the next replies are read, which hides the decode behind the transfer.
   Existence checks are one pipeline of EXISTS.
-- Every call has a timeout. A connection error or timeout opens a circuit breaker: calls return misses
-  at once (puts are dropped and counted) until a retry time that doubles after each failed retry, up to
+- Writes: the value is encoded (copy + checksum) on the codec thread, never on the event loop; a key
+  already present is not written again (one EXISTS first: a shared pool often has it already).
+- Every call has a timeout, scaled by what it moves: `timeout_secs` per chunk, so one MGET reply of 8
+  chunks may take 8 times as long as a single chunk's, and a large legitimate read is never taken for a
+  dead server. A connection error or timeout opens a circuit breaker: calls return misses at once (puts
+  are dropped and counted) until a retry time that doubles after each failed retry, up to
   `breaker_max_secs`. The first call after that time is the probe; success closes the breaker.
 - Bytes that do not decode as a chunk for the key asked for are a miss; the Redis key is deleted.
 """
@@ -61,8 +65,10 @@ class RedisBackend(StorageBackend):
         self.timeout = float(timeout_secs)
         self.read_groups = max(1, int(read_groups))
         self.read_batch_keys = max(1, int(read_batch_keys))
-        # One thread: decoding (memmove + xxh3, both without the GIL) overlaps the loop's reads.
+        # One thread each: decoding and encoding (memmove + xxh3, both without the GIL) overlap the
+        # loop's socket I/O instead of stalling it.
         self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode")
+        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-encode")
         self.breaker_base = float(breaker_base_secs)
         self.breaker_max = float(breaker_max_secs)
         self._failures = 0
@@ -71,8 +77,10 @@ class RedisBackend(StorageBackend):
         # Connections are made lazily on the loop that first uses the client (the manager's loop).
         # A blocking pool: more concurrent calls than connections wait for one (bounded by the call
         # timeout) instead of failing with "too many connections".
+        # No socket timeout: redis-py would apply it to a whole reply, however large; every call here
+        # is bounded instead by `_call` or `_read_group`, per chunk it moves.
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=self.timeout, socket_timeout=self.timeout,
+            url, max_connections=max_connections, timeout=self.timeout, socket_timeout=None,
             socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0))
         self._client = aioredis.Redis(connection_pool=pool)
 
@@ -104,15 +112,17 @@ class RedisBackend(StorageBackend):
         self._retry_at = time.monotonic() + delay
         self._probing = False
 
-    async def _call(self, make_coro, default=None, *, read: bool = False):
-        """Runs `make_coro()` under the timeout and the breaker; returns `default` on any failure.
-        A failed or skipped read counts in `failed_reads` (a refused write is counted by `put`)."""
+    async def _call(self, make_coro, default=None, *, read: bool = False, chunks: int = 1):
+        """Runs `make_coro()` under the breaker and a timeout of `timeout_secs` per chunk it moves
+        (`chunks=0`: the coroutine bounds its own waits); returns `default` on any failure. A failed
+        or skipped read counts in `failed_reads` (a refused write is counted by `put`)."""
         if not self._may_call():
             if read:
                 metrics.inc("failed_reads", tier=self.name)
             return default
         try:
-            result = await asyncio.wait_for(make_coro(), self.timeout)
+            coro = make_coro()
+            result = await (asyncio.wait_for(coro, self.timeout * chunks) if chunks else coro)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             if read:
                 metrics.inc("failed_reads", tier=self.name)
@@ -154,10 +164,11 @@ class RedisBackend(StorageBackend):
         step = -(-len(keys) // groups)
         spans = [(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
         # Per group: (MemoryObj or None, counter name) per key.
+        # Each MGET reply is bounded in `_read_group` by its own number of chunks.
         decoded = await self._call(
             lambda: gather_owned((self._read_group(keys[lo:hi], alloc) for lo, hi in spans),
                                  release=_release_decoded),
-            default=_DEFAULT, read=True)
+            default=_DEFAULT, read=True, chunks=0)
         if decoded is _DEFAULT:  # failed or breaker open: everything is a miss
             return [None] * len(keys)
         out: list[Optional[MemoryObj]] = []
@@ -183,12 +194,12 @@ class RedisBackend(StorageBackend):
         batches = [keys[i:i + self.read_batch_keys] for i in range(0, len(keys), self.read_batch_keys)]
         decoding: list[Future] = []
         try:
-            conn = await pool.get_connection()
+            conn = await asyncio.wait_for(pool.get_connection(), self.timeout)
             try:
-                await conn.send_packed_command(conn.pack_commands(
-                    [("MGET", *(self._rkey(k) for k in batch)) for batch in batches]))
+                await asyncio.wait_for(conn.send_packed_command(conn.pack_commands(
+                    [("MGET", *(self._rkey(k) for k in batch)) for batch in batches])), self.timeout)
                 for batch in batches:
-                    values = await conn.read_response()
+                    values = await asyncio.wait_for(conn.read_response(), self.timeout * len(batch))
                     if not isinstance(values, list) or len(values) != len(batch):
                         raise RedisError(f"MGET of {len(batch)} keys answered {type(values).__name__}")
                     decoding.append(self._decode_pool.submit(self._decode_batch, batch, values, alloc))
@@ -228,7 +239,14 @@ class RedisBackend(StorageBackend):
         return out
 
     async def put(self, key: str, obj: MemoryObj) -> bool:
-        value = memoryview(codec.encode(key, obj.tensor, self.mac))
+        present = await self._call(lambda: self._client.exists(self._rkey(key)), default=None)
+        if present:
+            return True  # already in the pool (another instance, or written before L1 evicted it)
+        if present is None:  # the check failed: so would the write
+            metrics.inc("failed_writes", tier=self.name)
+            return False
+        value = await asyncio.get_running_loop().run_in_executor(
+            self._encode_pool, codec.encode, key, obj.tensor, self.mac)
         ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
                               default=False)
         if ok:
@@ -275,6 +293,7 @@ class RedisBackend(StorageBackend):
         except Exception:  # closing sockets of a dead server must not fail shutdown
             logger.debug("redis close", exc_info=True)
         self._decode_pool.shutdown(wait=True)
+        self._encode_pool.shutdown(wait=True)
 
     def gauges(self) -> dict[str, float]:
         return {"breaker_open": int(self.breaker_open)}
