@@ -117,6 +117,8 @@ def run_peer(python: str, script: str, args: list[str], timeout: float = 600) ->
 def drop_page_cache(directory: str) -> None:
     """Flushes every file in `directory` and evicts it from the page cache, so the next read is cold."""
     for name in os.listdir(directory):
+        if name.startswith("."):  # the tier's shared usage count, temp files: not chunks
+            continue
         fd = os.open(os.path.join(directory, name), os.O_RDONLY)
         try:
             os.fsync(fd)

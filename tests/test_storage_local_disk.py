@@ -13,10 +13,16 @@ import torch
 from lmcache_vllm import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec, local_disk
+from lmcache_vllm.storage.disk_budget import USAGE_FILE
 from lmcache_vllm.storage.local_disk import LocalDiskBackend, filename_for
 
 CHUNK = (2, 2, 16, 64)  # bf16: 8 KiB payload, 12 KiB on disk with the 4 KiB header
 FILE_BYTES = 4096 + 2 * 2 * 16 * 64 * 2
+
+
+def listing(path) -> list[str]:
+    """The directory's files but the shared usage count every process keeps there (disk_budget.py)."""
+    return [name for name in os.listdir(path) if name != USAGE_FILE]
 
 
 def key(i: int, model: str = "m") -> str:
@@ -48,7 +54,7 @@ async def test_round_trip_permissions_and_names(tmp_path, alloc, make_chunk):
     got.ref_down()
     assert await disk.get(key(2), alloc) is None
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-    (name,) = os.listdir(root)
+    (name,) = listing(root)
     assert name == filename_for(key(1)) and "/" not in name
     assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
     assert os.path.getsize(root / name) == FILE_BYTES
@@ -81,7 +87,7 @@ async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc,
     got.ref_down()
     assert disk2.used_bytes == 3 * FILE_BYTES
     await disk2.clear()
-    assert sorted(os.listdir(tmp_path)) == sorted(
+    assert sorted(listing(tmp_path)) == sorted(
         [filename_for(key(9, "other")), filename_for(key(7)), "notes.txt"])
     await disk2.close()
 
@@ -121,7 +127,7 @@ async def test_concurrent_stores_and_reads(tmp_path, alloc, make_chunk):
     results = await asyncio.gather(*(disk.put(key(i), obj_of(t)) for i, t in chunks.items()),
                                    *(disk.put(key(i), obj_of(t)) for i, t in chunks.items()))
     assert all(results)
-    assert len(os.listdir(tmp_path)) == 24  # duplicates were not written twice
+    assert len(listing(tmp_path)) == 24  # duplicates were not written twice
     for _ in range(2):
         got = await disk.get_many([key(i) for i in chunks], alloc)
         for i, obj in zip(chunks, got):
@@ -137,10 +143,10 @@ async def test_size_cap_evicts_least_recently_used(tmp_path, alloc, make_chunk):
     (await disk.get(key(0), alloc)).ref_down()  # 0 becomes most recent; 1 is now the oldest
     assert await disk.put(key(3), obj_of(make_chunk(3, CHUNK)))
     assert await disk.contains([key(i) for i in range(4)]) == [True, False, True, True]
-    assert len(os.listdir(tmp_path)) == 3 and disk.used_bytes == 3 * FILE_BYTES
+    assert len(listing(tmp_path)) == 3 and disk.used_bytes == 3 * FILE_BYTES
     big = obj_of(torch.zeros(4 * FILE_BYTES, dtype=torch.uint8))
     assert not await disk.put(key(99), big)  # larger than the whole cap: dropped, nothing evicted
-    assert metrics.value("failed_writes", tier="local_disk") == 1 and len(os.listdir(tmp_path)) == 3
+    assert metrics.value("failed_writes", tier="local_disk") == 1 and len(listing(tmp_path)) == 3
     await disk.close()
 
 
@@ -172,7 +178,7 @@ async def test_full_disk_drops_stores_without_crashing(tiny_fs, alloc, make_chun
     results = [await disk.put(key(i), obj_of(make_chunk(i, CHUNK))) for i in range(10)]
     assert results[0] and not all(results)
     assert metrics.value("failed_writes", tier="local_disk") >= 1
-    assert not [n for n in os.listdir(tiny_fs / "cache") if n.startswith(".tmp-")]
+    assert not [n for n in listing(tiny_fs / "cache") if n.startswith(".tmp-")]
     stored = [i for i, ok in enumerate(results) if ok]
     got = await disk.get_many([key(i) for i in stored], alloc)
     for i, obj in zip(stored, got):
@@ -221,7 +227,7 @@ async def test_direct_io_round_trip_with_unaligned_tail(tmp_path, where, alloc):
         assert obj.tensor.data_ptr() % 4096 == 0
         assert await disk.put(key(1), obj)
         assert disk.direct_io == _supports_direct_io(root)  # tmpfs refuses O_DIRECT: page cache then
-        (name,) = os.listdir(root)
+        (name,) = listing(root)
         assert os.path.getsize(os.path.join(root, name)) == 4096 + src.numel() * 2
         got = await disk.get(key(1), alloc)
         assert torch.equal(got.tensor, src)
@@ -229,6 +235,7 @@ async def test_direct_io_round_trip_with_unaligned_tail(tmp_path, where, alloc):
     finally:
         await disk.clear()
         await disk.close()
+        os.unlink(os.path.join(root, USAGE_FILE))
         os.rmdir(root)
 
 

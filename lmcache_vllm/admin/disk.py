@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
 from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.disk_budget import SharedDiskBudget
 from lmcache_vllm.storage.local_disk import SUFFIX, TMP_PREFIX, filename_for
 
 STALE_TMP_SECS = 60.0  # a temp file this old is no live writer's
@@ -117,6 +118,10 @@ def clear_disk(path: str, *, namespace: str | None = None, dry_run: bool = False
             continue
         removed["files"] += 1
         removed["bytes"] += item.size
+    budget = None if dry_run else SharedDiskBudget.of_directory(path)
+    if budget is not None:  # live disk tiers sharing the directory count its bytes there
+        budget.release(removed["bytes"])
+        budget.close()
     if namespace is None:
         now = time.time()
         with os.scandir(path) as it:

@@ -1,4 +1,5 @@
-"""Low-level I/O of one chunk file of the disk tier: full reads and writes, and O_DIRECT writes.
+"""Low-level I/O of one chunk file of the disk tier: full reads and writes, O_DIRECT writes, and a whole
+chunk file read (`read_chunk`) or written atomically (`write_chunk`: a temp file renamed into place).
 
 O_DIRECT needs the memory address, the file offset and the length in whole logical blocks
 (`DIRECT_ALIGN`, 4 KiB covers every common device). A chunk file is a header padded to 4 KiB plus the
@@ -9,10 +10,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
+from typing import Callable, Optional
 
+from lmcache_vllm import logs
 from lmcache_vllm.storage import codec
+
+logger = logging.getLogger(__name__)
 
 DIRECT_ALIGN = 4096
 
@@ -64,13 +70,19 @@ def _clear_direct(fd: int) -> None:
 
 def write_full(fd: int, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    try:
+        while views:
+            n = os.writev(fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+    finally:
+        # A failed write (ENOSPC) keeps this frame alive in its traceback: release the views now, or
+        # the caller could not close an mmap they point into (BufferError instead of the OSError).
+        for view in views:
+            view.release()
 
 
 def pread_full(fd: int, dest: memoryview, offset: int) -> None:
@@ -80,3 +92,74 @@ def pread_full(fd: int, dest: memoryview, offset: int) -> None:
         if n == 0:
             raise codec.CorruptEntry(f"file truncated: {done} of {total} payload bytes")
         done += n
+
+
+def read_chunk(path: str, key: str, alloc, mac=None):
+    """The chunk stored in file `path` under `key`, read straight into memory from `alloc(shape, dtype)`
+    (None when `alloc` has none); `codec.CorruptEntry` when the file is not that chunk (or not signed
+    with `mac`, a `codec.ChunkMac`, when given)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
+        header = codec.parse_header(head, key)
+        size = os.fstat(fd).st_size
+        if size != header.header_len + header.payload_len:
+            raise codec.CorruptEntry(f"file has {size} bytes, header says "
+                                     f"{header.header_len + header.payload_len}")
+        obj = alloc(header.shape, header.dtype)
+        if obj is None:
+            return None
+        try:
+            dest = codec.payload_view(obj.tensor)
+            pread_full(fd, dest, header.header_len)
+            codec.verify_payload(header, dest, mac)
+        except BaseException:
+            obj.ref_down()
+            raise
+        return obj
+    finally:
+        os.close(fd)
+
+
+def write_chunk(directory: str, name: str, tmp_name: str, header: bytes, payload: memoryview, direct: bool,
+                fsync: bool, direct_refused: Optional[Callable[[str], None]] = None,
+                commit: Optional[Callable[[str, str], bool]] = None) -> bool:
+    """Writes header + payload to `directory/tmp_name` (O_DIRECT when `direct` and the file system
+    allows; `direct_refused(what)` is told when it does not), then renames it to `name` (or has
+    `commit(tmp path, final path)` do it; it may refuse), so a reader never sees half a file. False
+    (temp file removed) when the write failed, e.g. on a full disk, or the commit refused."""
+    tmp = os.path.join(directory, tmp_name)
+    try:
+        fd, opened_direct = create(tmp, direct)
+    except OSError as exc:
+        logs.warn(logger, "disk_write_failed", "cannot create a chunk file in %s: %s", directory, exc)
+        return False
+    if direct and not opened_direct and direct_refused is not None:
+        direct_refused("open")
+    try:
+        try:
+            if opened_direct and not write_direct(fd, header, payload):
+                if direct_refused is not None:
+                    direct_refused("write")
+                opened_direct = False
+            if not opened_direct:
+                write_full(fd, [header, payload])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        final = os.path.join(directory, name)
+        if commit is None:
+            os.rename(tmp, final)
+        elif not commit(tmp, final):
+            os.unlink(tmp)
+            return False
+        return True
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:  # a full disk is expected: counted (failed_writes), not logged
+            logs.warn(logger, "disk_write_failed", "writing chunk file %s failed: %s", name, exc)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

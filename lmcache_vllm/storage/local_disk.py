@@ -12,7 +12,12 @@
   straight into the MemoryObj's bytes, checksum. A corrupt or truncated file is a miss and is deleted.
   Eviction may unlink a file a reader has open; POSIX keeps the open file readable, so that is safe.
 - Several live processes may share the directory: a key missing from the index is looked up as a
-  file (one stat) before it counts as a miss, and a valid file is adopted into the index.
+  file (one stat) before it counts as a miss, and a valid file is adopted into the index; a write of a
+  key whose file another process wrote already is skipped. They share one cap (`disk_budget.py`): only
+  a writer that would take the directory over it evicts, so another process's files are never evicted
+  while the directory is under its cap. It evicts, least recently used first, the files it wrote or
+  found at start-up (nobody was known to use them), then those it adopted from live processes, then
+  chunk files it does not know, oldest first.
 - Start-up: the directory is scanned and every header read; our files (right magic and format version,
   accepted by `key_filter`, e.g. the same model) are indexed oldest-mtime first; files of another
   format version or rejected by the filter are left alone and not counted; corrupt files of our format
@@ -22,7 +27,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import stat
@@ -40,6 +44,7 @@ from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
+from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +90,10 @@ class LocalDiskBackend(StorageBackend):
             os.chmod(self.path, 0o700)
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
-        self._used = 0  # bytes of indexed files plus bytes reserved by writes in progress
+        self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
+        self._mine: set[str] = set()  # keys of files we wrote or found at start-up (evicted first)
         self._writing: set[str] = set()
+        self._budget = SharedDiskBudget(self.path, self.max_bytes)
         self._read_pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmcache-disk-read")
         self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
         self._write_pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="lmcache-disk-write")
@@ -102,7 +109,11 @@ class LocalDiskBackend(StorageBackend):
                 if not entry.is_file(follow_symlinks=False):
                     continue
                 if entry.name.startswith(TMP_PREFIX):
-                    if now - entry.stat().st_mtime > _STALE_TMP_SECS:
+                    try:  # another live process may be renaming it right now
+                        stale = now - entry.stat().st_mtime > _STALE_TMP_SECS
+                    except OSError:
+                        continue
+                    if stale:
                         self._unlink(entry.name)
                     continue
                 if not entry.name.endswith(SUFFIX):
@@ -113,10 +124,14 @@ class LocalDiskBackend(StorageBackend):
         found.sort(key=lambda item: item[0])
         for _, key, name, size in found:
             self._index[key] = (name, size)
+            self._mine.add(key)
             self._used += size
             kv_events.stored(key, self.name)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
-        self._evict_to(self.max_bytes)
+        with self._budget.transaction() as usage:
+            usage.used = sum(size for _, size in chunk_files_oldest_first(self.path, SUFFIX))
+            if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
+                self._evict(usage.used - self.max_bytes, usage)
 
     def _scan_file(self, entry: os.DirEntry):
         try:
@@ -138,7 +153,7 @@ class LocalDiskBackend(StorageBackend):
         try:
             header = codec.parse_header(head)
         except codec.CorruptEntry:
-            self._drop_corrupt(name)
+            self._drop_corrupt(name, st.st_size)
             return None
         if filename_for(header.key) != name:
             return None
@@ -147,13 +162,14 @@ class LocalDiskBackend(StorageBackend):
         if self.key_filter is not None and not self.key_filter(header.key):
             return None  # e.g. another model's chunks
         if st.st_size != header.header_len + header.payload_len:
-            self._drop_corrupt(name)
+            self._drop_corrupt(name, st.st_size)
             return None
         return (st.st_mtime, header.key, name, st.st_size)
 
-    def _adopt(self, key: str) -> Optional[tuple[str, int]]:
+    def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
         """On an index miss: the key's file written by another live process sharing the directory is
-        indexed (one stat when there is no such file; a header read when there is)."""
+        indexed (one stat when there is no such file; a header read when there is). `writing`: asked
+        by our own write of the key, which then skips writing it."""
         name = filename_for(key)
         try:
             st = os.stat(os.path.join(self.path, name))
@@ -165,53 +181,77 @@ class LocalDiskBackend(StorageBackend):
         if item is None:
             return None
         with self._lock:
-            if key in self._writing:
+            if key in self._writing and not writing:
                 return None  # our own write of it is about to index it
             if key not in self._index:
                 self._index[key] = (name, item[3])
                 self._used += item[3]
                 metrics.inc("adopted_chunks", tier=self.name)
                 kv_events.stored(key, self.name)
-            entry = self._index[key]
-        self._evict_to(self.max_bytes)
-        return entry
+            return self._index[key]
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _unlink(self, name: str) -> None:
+    def _unlink(self, name: str, size: int | None = None, usage: Usage | None = None) -> bool:
+        """Removes a file; when it was a counted chunk file (`size`), its bytes come off the shared
+        budget (only the one unlink that succeeds takes them off; inside the caller's transaction when
+        it gives its `usage`) and a KV event says so. True if we removed it."""
         try:
             os.unlink(os.path.join(self.path, name))
         except FileNotFoundError:
-            pass
+            return False
         except OSError as exc:
             logger.warning("cannot remove %s: %s", name, exc)
-
-    def _drop_corrupt(self, name: str) -> None:
-        metrics.inc("corrupt_chunks", tier=self.name)
-        key = _key_from_filename(name)
-        if key is not None:
-            kv_events.removed(key, self.name)
-        self._unlink(name)
-
-    def _evict_to(self, limit: int) -> bool:
-        """Evicts LRU files until used bytes <= limit; False if that is impossible."""
-        while self._used > limit:
-            with self._lock:
-                if not self._index:
-                    return False
-                key, (name, size) = self._index.popitem(last=False)
-                self._used -= size
-            self._unlink(name)
-            metrics.inc("evictions", tier=self.name)
-            kv_events.removed(key, self.name)
+            return False
+        if size is not None:
+            if usage is not None:
+                usage.used -= size
+            else:
+                self._budget.release(size)
+            key = _key_from_filename(name)
+            if key is not None:  # (a hashed name's key is in its header: no event)
+                kv_events.removed(key, self.name)
         return True
 
-    def _forget(self, key: str) -> Optional[str]:
+    def _drop_corrupt(self, name: str, size: int | None = None) -> None:
+        metrics.inc("corrupt_chunks", tier=self.name)
+        self._unlink(name, size)
+
+    def _evict(self, nbytes: int, usage: Usage) -> bool:
+        """Frees `nbytes` of the directory's shared budget inside the caller's transaction: our own least
+        recently used files first, then the others we know, then unknown chunk files, oldest first.
+        False if that is impossible."""
+        freed = 0
+        for own in (True, False):
+            while freed < nbytes:
+                with self._lock:
+                    key = next((k for k in self._index if (k in self._mine) == own), None)
+                    if key is None:
+                        break
+                    name, size = self._index.pop(key)
+                    self._used -= size
+                    self._mine.discard(key)
+                if self._unlink(name, size, usage):
+                    freed += size
+                    metrics.inc("evictions", tier=self.name)
+        if freed < nbytes:
+            with self._lock:
+                known = {name for name, _ in self._index.values()}
+            for name, size in chunk_files_oldest_first(self.path, SUFFIX, skip=known):
+                if freed >= nbytes:
+                    break
+                if self._unlink(name, size, usage):
+                    freed += size
+                    metrics.inc("evictions", tier=self.name)
+        return freed >= nbytes
+
+    def _forget(self, key: str) -> Optional[tuple[str, int]]:
         with self._lock:
             item = self._index.pop(key, None)
+            self._mine.discard(key)
             if item is None:
                 return None
             self._used -= item[1]
-            return item[0]
+            return item
 
     # ---- StorageBackend -----------------------------------------------------------------------
     async def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -244,7 +284,8 @@ class LocalDiskBackend(StorageBackend):
             item = self._adopt(key)
         if item is None:
             return None  # the manager counts misses
-        cfut: Future = self._read_pool.submit(self._read_file, item[0], key, alloc)
+        cfut: Future = self._read_pool.submit(chunk_file.read_chunk, os.path.join(self.path, item[0]), key,
+                                              alloc, self.mac)
         with self._lock:
             self._reads_in_flight += 1
         cfut.add_done_callback(self._read_done)
@@ -261,7 +302,7 @@ class LocalDiskBackend(StorageBackend):
         except codec.CorruptEntry as exc:
             logs.warn(logger, "disk_corrupt", "corrupt disk chunk %s: %s", item[0], exc)
             if self._forget(key) is not None:
-                self._drop_corrupt(item[0])
+                self._drop_corrupt(item[0], item[1])
             return None
         except FileNotFoundError:
             self._forget(key)
@@ -278,29 +319,6 @@ class LocalDiskBackend(StorageBackend):
         # One read per file in parallel on the read pool.
         return await gather_owned(self.get(key, alloc) for key in keys)
 
-    def _read_file(self, name: str, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
-        fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
-        try:
-            head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
-            header = codec.parse_header(head, key)
-            size = os.fstat(fd).st_size
-            if size != header.header_len + header.payload_len:
-                raise codec.CorruptEntry(f"file has {size} bytes, header says "
-                                         f"{header.header_len + header.payload_len}")
-            obj = alloc(header.shape, header.dtype)
-            if obj is None:
-                return None
-            try:
-                dest = codec.payload_view(obj.tensor)
-                chunk_file.pread_full(fd, dest, header.header_len)
-                codec.verify_payload(header, dest, self.mac)
-            except BaseException:
-                obj.ref_down()
-                raise
-            return obj
-        finally:
-            os.close(fd)
-
     async def put(self, key: str, obj: MemoryObj) -> bool:
         if self._closed:
             return False
@@ -312,13 +330,9 @@ class LocalDiskBackend(StorageBackend):
                 metrics.inc("failed_writes", tier=self.name)
                 return False
             self._writing.add(key)
-            self._used += size  # reserved now so that concurrent writes respect the cap
         try:
-            if not self._evict_to(self.max_bytes):
-                metrics.inc("failed_writes", tier=self.name)
-                with self._lock:
-                    self._used -= size
-                return False
+            if self._adopt(key, writing=True) is not None:
+                return True  # another process sharing the directory wrote it already
             name = filename_for(key)
             # The writer thread holds its own reference, so cancelling this coroutine (shutdown) never
             # frees the bytes while the thread is still writing them.
@@ -326,12 +340,11 @@ class LocalDiskBackend(StorageBackend):
             cfut = self._write_pool.submit(self._write_file, name, key, obj)
             cfut.add_done_callback(lambda _: obj.ref_down())
             ok = await asyncio.wrap_future(cfut)
-            with self._lock:
-                if ok:
-                    self._index[key] = (name, size)
-                else:
-                    self._used -= size
             if ok:
+                with self._lock:
+                    self._index[key] = (name, size)
+                    self._used += size
+                    self._mine.add(key)
                 kv_events.stored(key, self.name)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
@@ -346,37 +359,22 @@ class LocalDiskBackend(StorageBackend):
         # The header (with the payload checksum) is computed here, on the writer thread, so that a
         # batch of puts does not checksum serially on the event loop.
         header = codec.encode_header(key, obj.tensor, align=HEADER_ALIGN, mac=self.mac)
-        payload = codec.payload_view(obj.tensor)
-        tmp = os.path.join(self.path, f"{TMP_PREFIX}{uuid.uuid4().hex}")
         want_direct = self.direct_io and obj.tensor.data_ptr() % chunk_file.DIRECT_ALIGN == 0
-        try:
-            fd, direct = chunk_file.create(tmp, want_direct)
-        except OSError as exc:
-            logs.warn(logger, "disk_write_failed", "cannot create a chunk file in %s: %s", self.path, exc)
-            return False
-        if want_direct and not direct:
-            self._no_direct_io("open")
-        try:
-            try:
-                if direct and not chunk_file.write_direct(fd, header, payload):
-                    self._no_direct_io("write")
-                    direct = False
-                if not direct:
-                    chunk_file.write_full(fd, [header, payload])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, os.path.join(self.path, name))
+        size = len(header) + obj.nbytes
+        return chunk_file.write_chunk(self.path, name, f"{TMP_PREFIX}{uuid.uuid4().hex}", header,
+                                      codec.payload_view(obj.tensor), want_direct, self.fsync,
+                                      self._no_direct_io, lambda tmp, final: self._commit(tmp, final, size))
+
+    def _commit(self, tmp: str, final: str, size: int) -> bool:
+        """Renames a written chunk file into place, in one transaction with the evictions the shared cap
+        needs for it (another process's files only when the directory would be over its cap)."""
+        with self._budget.transaction() as usage:
+            over = usage.used + size - self.max_bytes
+            if over > 0 and not self._evict(over, usage):
+                return False
+            os.rename(tmp, final)
+            usage.used += size
             return True
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:  # a full disk is expected: counted (failed_writes), not logged
-                logs.warn(logger, "disk_write_failed", "writing chunk file %s failed: %s", name, exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return False
 
     def _no_direct_io(self, what: str) -> None:
         if self.direct_io:
@@ -385,24 +383,24 @@ class LocalDiskBackend(StorageBackend):
                         self.path, what)
 
     async def remove(self, key: str) -> None:
-        name = self._forget(key)
-        if name is not None:
-            self._unlink(name)
-            kv_events.removed(key, self.name)
+        item = self._forget(key)
+        if item is not None:
+            self._unlink(*item)
 
     async def clear(self) -> None:
         with self._lock:
             items = list(self._index.items())
             self._index.clear()
+            self._mine.clear()
             self._used -= sum(size for _, (_, size) in items)
-        for key, (name, _) in items:
-            self._unlink(name)
-            kv_events.removed(key, self.name)
+        for _, (name, size) in items:
+            self._unlink(name, size)
 
     async def close(self) -> None:
         self._closed = True
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        self._budget.close()
 
     def gauges(self) -> dict[str, float]:
         return {"resident_chunks": len(self._index), "used_bytes": self._used,
