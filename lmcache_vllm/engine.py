@@ -326,6 +326,12 @@ class CacheEngine:
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
 
+    def wait_written(self, tokens, timeout: float, extra: ExtraKeys | None = None) -> bool:
+        """Waits (at most `timeout` s) until the chunks of `tokens` are written to every lower tier
+        (durable for another process to read); False if one is not (dropped, failed or still going)."""
+        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
+        return self.storage.wait_written([c.key for c in chunks], timeout)
+
     def clear(self, lower_tiers: bool = True) -> bool:
         """Empties L1 (and the lower tiers, unless `lower_tiers` is False); False if they did not finish."""
         return self.storage.clear(lower_tiers=lower_tiers)

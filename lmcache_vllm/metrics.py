@@ -101,6 +101,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "blocking_timeout_secs; what had not arrived was recomputed"),
     _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
        "waited; its reads and holds were released"),
+    _c("durable_save_timeouts", "requests", "A producer's saves of a complete prompt not written to every "
+       "lower tier within blocking_timeout_secs (a consumer may miss them)"),
     _h("store_seconds", "Time to store one request's new KV (on the save thread unless saves are "
        "synchronous)"),
     _c("save_wait_seconds", "seconds", "Time vLLM's step waited for background saves to finish"),

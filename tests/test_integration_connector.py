@@ -80,7 +80,8 @@ def test_connector_registers_vllms_views_and_round_trips(kind, layout, kernel):
         connector.bind_connector_metadata(step)
         connector.wait_for_save()
         connector.clear_connector_metadata()
-        connector.handle_preemptions(step)  # the next step starts: the background save is done
+        # The next step starts with "a" preempted: its background save finishes before any block is reused.
+        connector.handle_preemptions(LMCacheConnectorMetadata(preempted_req_ids=["a"]))
         assert engine.lookup(tokens) == 2 * CHUNK
 
         step = LMCacheConnectorMetadata(loads=[LoadSpec(req_id="b", token_ids=tokens, block_ids=loaded_blocks,
@@ -116,14 +117,15 @@ def test_vllm_033_hooks():
                                                         skip_leading=0, load_end=CHUNK)])
         connector.unregister_kv_caches()
         connector.unregister_kv_caches()  # idempotent
+        preempted = LMCacheConnectorMetadata(preempted_req_ids=["a"])  # a's saves finish first
         connector.bind_connector_metadata(save)
         connector.wait_for_save()  # released cache: nothing is copied
-        connector.handle_preemptions(save)
+        connector.handle_preemptions(preempted)
         assert connector._worker.engine.lookup(tokens) == 0
         connector.restore_kv_caches()
         connector.bind_connector_metadata(save)
         connector.wait_for_save()
-        connector.handle_preemptions(save)
+        connector.handle_preemptions(preempted)
         assert connector._worker.engine.lookup(tokens) == CHUNK
         connector.unregister_kv_caches()
         connector.bind_connector_metadata(load)

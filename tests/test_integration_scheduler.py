@@ -293,3 +293,24 @@ def test_hit_sources_split_the_planned_load_by_the_tier_of_each_chunk():
     assert half.hit_sources("b") == {"unknown": 512}
     half.update_state_after_alloc(req_b, None, 0)  # vLLM decided not to load
     assert half.hit_sources("b") == {}
+
+
+def test_finished_request_with_saves_keeps_its_blocks_until_the_workers_report_them():
+    half, _ = make_half(hit=0)
+    req = make_request("a", 600)
+    half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, None, 0)
+    assert half.build_connector_meta(new_step(req, [1, 2, 3, 4, 5], 0, 600)).saves
+    assert half.request_finished(req, [1, 2, 3, 4, 5]) == (True, None)  # its save may still be copying
+    out = SchedulerOutput.make_empty()
+    out.finished_req_ids = {"a"}
+    out.preempted_req_ids = {"p"}
+    meta = half.build_connector_meta(out)
+    assert meta.delayed_free_req_ids == ["a"] and meta.preempted_req_ids == ["p"]
+    assert half.build_connector_meta(SchedulerOutput.make_empty()).delayed_free_req_ids == []
+    # A request that saved nothing (here: shorter than a chunk) is freed at once.
+    short = make_request("b", 100)
+    half.get_num_new_matched_tokens(short, 0)
+    half.update_state_after_alloc(short, None, 0)
+    assert not half.build_connector_meta(new_step(short, [9], 0, 100)).saves
+    assert half.request_finished(short, [9]) == (False, None)

@@ -28,6 +28,19 @@ def query(tokens, req_id="q") -> LookupQuery:
     return LookupQuery(req_id, np.asarray(tokens, dtype=np.int64))
 
 
+def hold_stores(engine) -> threading.Event:
+    """Makes the engine's stores (on the background save thread) wait until the returned event is set."""
+    release = threading.Event()
+    real_store = engine.store
+
+    def slow_store(*args, **kwargs):
+        release.wait(5)
+        return real_store(*args, **kwargs)
+
+    engine.store = slow_store
+    return release
+
+
 def _save_meta(tokens, block_ids):
     return LMCacheConnectorMetadata(saves=[SaveSpec(req_id="a", token_ids=tokens, block_ids=block_ids,
                                                     skip_leading=0, is_last=True)])
@@ -41,7 +54,7 @@ def test_background_save_then_load_round_trips():
         blocks = list(range(10, 10 + 3 * CHUNK // BLOCK))
         worker.begin_step()
         worker.wait_for_save(_save_meta(tokens, blocks))
-        assert worker._saver is not None  # the save went to the background thread
+        assert worker.saves.executor is not None  # the save went to the background thread
         # A lookup waits for the pending save, so a prompt sent right after finds it.
         assert lookup(worker, tokens) == 3 * CHUNK
         assert metrics.value("stored_tokens") == 3 * CHUNK
@@ -68,14 +81,7 @@ def test_drain_waits_for_the_gather_before_blocks_are_reused():
     caches = make_caches(True, seed=4)
     engine = make_engine()
     worker = _worker(engine, caches)
-    release = threading.Event()
-    real_store = engine.store
-
-    def slow_store(*args, **kwargs):  # holds the background save until the test lets it go
-        release.wait(5)
-        return real_store(*args, **kwargs)
-
-    engine.store = slow_store
+    release = hold_stores(engine)
     try:
         tokens = list(range(900, 900 + 2 * CHUNK))
         blocks = list(range(0, 2 * CHUNK // BLOCK))
@@ -111,7 +117,7 @@ def test_sync_save_stores_inside_the_step():
     try:
         tokens = list(range(300, 300 + CHUNK))
         worker.wait_for_save(_save_meta(tokens, list(range(CHUNK // BLOCK))))
-        assert worker._saver is None and worker._pending_saves == []
+        assert worker.saves.executor is None and worker.saves._futures() == []
         assert worker.engine.lookup(tokens) == CHUNK
     finally:
         worker.shutdown()
@@ -218,4 +224,32 @@ def test_layerwise_load_failing_at_a_later_layer_is_a_failed_load():
         assert engine.lookup(tokens + new) == CHUNK  # and nothing computed on top of it is stored
         assert metrics.value("failed_load_tokens") == CHUNK
     finally:
+        worker.shutdown()
+
+
+def test_finished_request_is_reported_once_its_background_save_is_over():
+    caches = make_caches(True, seed=7)
+    engine = make_engine()
+    worker = _worker(engine, caches)
+    release = hold_stores(engine)
+    try:
+        tokens = list(range(1500, 1500 + 2 * CHUNK))
+        worker.begin_step()
+        worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
+        # "a" finished; vLLM keeps its blocks and tells us in the next step's metadata.
+        step = LMCacheConnectorMetadata(delayed_free_req_ids=["a"])
+        worker.begin_step()  # the step does not wait for the save
+        assert worker.get_finished(step, {"a"}) == (None, None)  # still copying from its blocks
+        release.set()
+        worker.drain_saves()
+        assert worker.get_finished(LMCacheConnectorMetadata(), set()) == ({"a"}, None)
+        assert worker.get_finished(LMCacheConnectorMetadata(), set()) == (None, None)  # reported once
+        # A preempted request's blocks are freed at once: its saves finish inside handle_preemptions.
+        release.clear()
+        worker.wait_for_save(_save_meta(tokens[:CHUNK], list(range(CHUNK // BLOCK))))
+        threading.Timer(0.2, release.set).start()
+        worker.handle_preemptions(LMCacheConnectorMetadata(preempted_req_ids=["a"]))
+        assert worker.saves._futures() == []
+    finally:
+        release.set()
         worker.shutdown()

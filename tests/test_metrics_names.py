@@ -63,6 +63,9 @@ STABLE = [
     ("aborted_async_loads", "counter", (),
      'Requests that finished (aborted) while their asynchronous load waited; its reads and holds'
      ' were released'),
+    ("durable_save_timeouts", "counter", (),
+     "A producer's saves of a complete prompt not written to every lower tier within"
+     ' blocking_timeout_secs (a consumer may miss them)'),
     ("store_seconds", "histogram", (),
      "Time to store one request's new KV (on the save thread unless saves are synchronous)"),
     ("save_wait_seconds", "counter", (),

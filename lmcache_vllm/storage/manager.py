@@ -48,6 +48,7 @@ from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.tiers import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class StorageManager(LowerTierReads):
         self.close_drain_secs = extra.close_drain_secs
         self.prefetch_hold_secs = extra.prefetch_hold_secs
         self._holds = PrefetchHolds()
+        self._writes = WriteTracker()
         self._queue_depth = extra.write_queue_depth
         self._num_writers = extra.write_workers
         self._owns_allocator = allocator is None
@@ -114,6 +116,10 @@ class StorageManager(LowerTierReads):
                     if isinstance(result, BaseException):  # a refused write (False) the tier counted
                         logs.warn(logger, f"{tier.name}_put_failed", "%s put failed: %r", tier.name, result)
                         metrics.inc("failed_writes", tier=tier.name)
+                self._writes.ended(key, all(result is True for result in results))
+            except BaseException:
+                self._writes.ended(key, False)
+                raise
             finally:
                 obj.ref_down()
                 with self._lock:
@@ -142,10 +148,17 @@ class StorageManager(LowerTierReads):
                 return
             if self._pending >= self._queue_depth:
                 metrics.inc("dropped_stores", reason="queue_full")
+                self._writes.ended(k, False)
                 return
             self._pending += 1
+            self._writes.started(k)
             obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
+
+    def wait_written(self, keys: Sequence[KeyLike], timeout: float) -> bool:
+        """Waits until the lower-tier writes of `keys` queued so far ended; False if one was dropped,
+        failed or is still going after `timeout` seconds (see `writes.py`)."""
+        return not self.lower or self._writes.wait([_key_str(k) for k in keys], timeout)
 
     def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Whether each key is in L1 memory: no I/O, so the store path never waits on a slow tier (a

@@ -125,6 +125,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                 block_size=block_size, use_layerwise=self.config.use_layerwise,
                 async_save=self.config.extra_config.async_save,
                 load_timeout_s=self.config.blocking_timeout_secs,
+                # A PD producer answers only once its chunks are in the shared tier (saves.py).
+                durable_saves=kv_role == "kv_producer",
                 lookup_address=layout.lookup_address(instance_id) if self.can_load else None,
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
                 failure_agreement=TPFailureAgreement(layout.tp_size))
@@ -171,9 +173,9 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before it zeroes or writes any block: background
-        # saves of the previous step must have copied their blocks out by then.
-        if self._worker is not None:
-            self._worker.drain_saves()
+        # saves still copying from the blocks of requests preempted this step must finish first.
+        if self._worker is not None and isinstance(kv_connector_metadata, LMCacheConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

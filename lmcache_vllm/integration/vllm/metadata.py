@@ -84,6 +84,10 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     finished_req_ids: list[str] = field(default_factory=list)
     release_req_ids: list[str] = field(default_factory=list)  # looked up, will load nothing: unhold
     idle: bool = False  # vLLM computes nothing this step (e.g. every request waits for its load)
+    # Finished requests whose blocks vLLM keeps until the workers report their saves over
+    # (finished_sending), and requests preempted this step (their blocks are freed at once).
+    delayed_free_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.saves and not self.release_req_ids

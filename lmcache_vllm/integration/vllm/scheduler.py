@@ -22,6 +22,8 @@ Rules:
 - Saves cover whole chunks as soon as their KV is computed (chunked prefill saves step by step); a
   partial last chunk of the prompt only with `save_unfull_chunk`; KV of generated tokens only with
   `save_decode_cache`.
+- Saves run in the background on the workers: a finished request that saved anything keeps its blocks
+  (`request_finished` returns True) until every worker reports its saves over (finished_sending).
 - Preemption: the request's blocks are replaced on resume; what was saved stays saved. When vLLM rolls
   a request back (a failed load), saving restarts from the rolled-back position.
 """
@@ -82,6 +84,7 @@ class RequestTracker:
         self.pending_load: _PendingLoad | None = None
         self.uncacheable = uncacheable
         self.hit_sources: dict[str, int] = {}  # tokens of the last planned load, by the tier holding them
+        self.saves_emitted = 0
         self._token_array = np.empty(0, dtype=np.int64)
 
     def token_array(self) -> np.ndarray:
@@ -126,6 +129,7 @@ class SchedulerHalf:
         self.async_loading = async_loading
         self._async_loads: list[tuple[RequestTracker, _PendingLoad]] = []
         self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
+        self._delayed_free: list[str] = []  # finished with saves: vLLM frees them on finished_sending
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -193,8 +197,10 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids),
                                         release_req_ids=self._unheld,
-                                        idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._unheld = []
+                                        idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                        delayed_free_req_ids=self._delayed_free,
+                                        preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()))
+        self._unheld, self._delayed_free = [], []
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for tracker, load in self._async_loads:
@@ -229,9 +235,14 @@ class SchedulerHalf:
         return meta
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are synchronous in the worker step, so vLLM may free the blocks right away.
+        tracker = self._trackers.get(request.request_id)
         self._forget(request.request_id)
-        return False, None
+        if tracker is None or not tracker.saves_emitted:
+            return False, None
+        # A save of it may still be copying from its blocks on a worker's save thread: vLLM keeps them
+        # until every worker reports it in finished_sending (saves.py).
+        self._delayed_free.append(request.request_id)
+        return True, None
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request: "Request") -> RequestTracker:
@@ -313,6 +324,7 @@ class SchedulerHalf:
             logs.warn(logger, "save_without_blocks", "request %s: %d tokens to save but only %d blocks known; "
                       "save skipped", tracker.req_id, end, len(tracker.block_ids))
             return
+        tracker.saves_emitted += 1
         meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end), extra=tracker.extra,
                                    block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
                                    is_last=is_last))

@@ -3,20 +3,16 @@
 It runs in each vLLM worker (one per tensor-parallel rank), next to the KV cache tensors:
 - `register_kv_caches` detects the paged layout, builds the `CacheEngine` and starts this rank's
   `LookupServer`;
-- lookups (`_lookup`, from the lookup server) find and hold a request's chunks until its load takes
-  them (`loads.RequestLoads`);
-- `start_load_kv` retrieves each synchronous `LoadSpec` before the forward (all layers at once, or
-  layer by layer driven by `wait_for_layer_load` when `use_layerwise`), reading only the chunks vLLM
-  does not hold already, from memory only; an asynchronous one waits for its chunks to reach L1 while
-  vLLM runs other requests, and `get_finished` copies them in once they have and reports the request
-  finished receiving (aborted requests too, once their reads are stopped);
-- `save_kv_layer` / `wait_for_save` store each `SaveSpec` after the layers computed it. Whole-step
-  saves (not layerwise) run on a background thread: the copy out of the paged cache (the gather) then
-  overlaps vLLM's sampling and scheduling instead of delaying the step's tokens. `drain_saves` waits for
-  them; the connector calls it in `handle_preemptions`, which vLLM runs at the start of every step before
-  any block is zeroed or written, so a gather never races a reuse of its blocks. A lookup waits for
-  pending saves that share its first chunk, so a prompt sent right after another still finds what that
-  one stored (and an unrelated prompt does not wait);
+- lookups hold a request's chunks until its load takes them (`loads.RequestLoads`); `start_load_kv`
+  copies a synchronous `LoadSpec` in before the forward (all layers, or layer by layer driven by
+  `wait_for_layer_load`), only the chunks vLLM lacks, from memory only; an asynchronous one waits for
+  its reads while vLLM runs other requests, and `get_finished` copies it in and reports it finished
+  receiving (an aborted one too, its reads stopped);
+- `save_kv_layer` / `wait_for_save` store each `SaveSpec`; whole-step saves run on a background thread
+  that no step waits for (`saves.SaveQueue`: finished requests keep their blocks until reported in
+  finished_sending; preempted ones' saves end in `handle_preemptions`; a producer's prompt is durable
+  in every lower tier before the step returns). A lookup waits for pending saves that share its first
+  chunk, so a prompt sent right after another still finds what that one stored;
 - tokens that could not be loaded are reported by block id through `get_block_ids_with_load_errors`,
   and vLLM recomputes them (vLLM unites the block ids of all ranks). A request whose load failed in a
   step saves nothing in that step, so KV computed on top of a hole is never stored; with tensor
@@ -33,13 +29,10 @@ Every failure here is logged and turned into a miss; none propagates into vLLM's
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generator
 
-import numpy as np
 import torch
 
 from lmcache_vllm import logs, metrics
@@ -51,6 +44,7 @@ from lmcache_vllm.integration.vllm.metadata import (
     SaveSpec,
     slot_mapping_for,
 )
+from lmcache_vllm.integration.vllm.saves import SaveQueue
 from lmcache_vllm.threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
@@ -78,7 +72,7 @@ class WorkerHalf:
     def __init__(self, *, engine_factory: Callable, block_size: int, use_layerwise: bool,
                  lookup_address: str | None, async_save: bool = True, max_lookup_tokens: int = 1 << 20,
                  failure_agreement: Callable[[list[bool]], list[bool]] | None = None,
-                 load_timeout_s: float = 10.0):
+                 load_timeout_s: float = 10.0, durable_saves: bool = False):
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.use_layerwise = use_layerwise
@@ -95,9 +89,8 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._step = _StepState()
         self.async_save = async_save and not use_layerwise
-        self._saver: ThreadPoolExecutor | None = None
-        self._pending_saves: list[tuple[Future, list[SaveSpec]]] = []
-        self._pending_lock = threading.Lock()
+        self.durable_saves = durable_saves
+        self.saves = SaveQueue(None)
         self._side = None  # layouts.streams.SideStream, made with the caches
         self._paused = False
 
@@ -111,11 +104,13 @@ class WorkerHalf:
         self.engine = self._engine_factory(kv_caches)
         self.loads = RequestLoads(self.engine, timeout_s=self.load_timeout_s,
                                   hold_s=self.engine.storage.prefetch_hold_secs)
+        saver = None
         if self.async_save:
             # The save thread's copies run on it alone: a second OpenMP team in the process would
             # slow every parallel region of vLLM's model thread from then on (see threads.py).
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save",
-                                             initializer=single_threaded_torch)
+            saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save",
+                                       initializer=single_threaded_torch)
+        self.saves = SaveQueue(saver, durable=self.durable_saves, durable_timeout_s=self.load_timeout_s)
         if self.lookup_address is not None:
             self.lookup_server = LookupServer(self.lookup_address, self._lookup,
                                               max_tokens=self.max_lookup_tokens, commands={
@@ -125,7 +120,7 @@ class WorkerHalf:
                     getattr(self.engine, "layout", None), self.lookup_address)
 
     def _lookup(self, query: LookupQuery) -> LookupAnswer:
-        if self._pending_save_shares_prefix(query.token_ids):
+        if self.engine is not None and self.saves.shares_prefix(query.token_ids, self.engine.keys.chunk_size):
             self.drain_saves()  # chunks a just-finished request is still storing count as present
         if self.loads is None:
             return LookupAnswer(0)
@@ -143,38 +138,14 @@ class WorkerHalf:
                     "done" if ok else "lower tiers did not finish")
         return int(ok)
 
-    def _pending_save_shares_prefix(self, token_ids) -> bool:
-        """Whether a background save still running stores the first chunk of `token_ids` (without a
-        common first chunk it cannot add to this prompt's hit)."""
-        with self._pending_lock:
-            pending = [specs for future, specs in self._pending_saves if not future.done()]
-        if not pending or self.engine is None:
-            return False
-        first = min(len(token_ids), self.engine.keys.chunk_size)
-        head = np.asarray(token_ids[:first], dtype=np.int64)
-        return any(len(spec.token_ids) >= first and
-                   np.array_equal(np.asarray(spec.token_ids[:first], dtype=np.int64), head)
-                   for specs in pending for spec in specs)
-
-    def drain_saves(self) -> None:
-        """Waits until every background save handed out so far has finished (each catches its errors)."""
-        # Every caller waits for all saves pending when it came (the lookup thread and the step may
-        # drain at the same time); only finished ones leave the list.
-        with self._pending_lock:
-            pending = [future for future, _ in self._pending_saves]
-        if not pending:
-            return
-        t0 = time.perf_counter()
-        for future in pending:
-            future.result()
-        metrics.inc("save_wait_seconds", time.perf_counter() - t0)
-        with self._pending_lock:
-            self._pending_saves = [(f, specs) for f, specs in self._pending_saves if not f.done()]
+    def drain_saves(self, req_ids=None) -> None:
+        """Waits until the background saves handed out so far (of `req_ids` only, when given) finished."""
+        self.saves.drain(req_ids)
 
     def pause(self) -> None:
         """vLLM is about to release the KV cache: finish the copies in flight and start no new one."""
         self.drain_saves()
-        for storer in self._step.storers:
+        for _, storer in self._step.storers:
             storer.close()  # an unfinished layerwise save is dropped, its chunks released
         self._step = _StepState()
         self._paused = True
@@ -184,12 +155,9 @@ class WorkerHalf:
         self._paused = False
 
     def shutdown(self) -> None:
-        self.drain_saves()
+        self.saves.close()
         if self.loads is not None:
             self.loads.close()
-        if self._saver is not None:
-            self._saver.shutdown(wait=True)
-            self._saver = None
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
@@ -199,8 +167,13 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
-        self.drain_saves()  # normally done already in handle_preemptions; cheap when nothing is pending
         self._step = _StepState()
+
+    def handle_preemptions(self, meta: LMCacheConnectorMetadata) -> None:
+        """vLLM frees a preempted request's blocks at once and may write them this step: its saves still
+        copying from them finish first. (Other requests' blocks are never rewritten under a save.)"""
+        if meta.preempted_req_ids:
+            self.drain_saves(meta.preempted_req_ids)
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
@@ -230,10 +203,15 @@ class WorkerHalf:
         load errors in this same step), or aborted while waiting (reads stopped, nothing copied)."""
         if self.loads is None:
             return None, None
+        if meta is not None and meta.delayed_free_req_ids:
+            self.saves.finished(meta.delayed_free_req_ids)
         done = self.loads.abort(finished_req_ids) | self._unloaded
         self._unloaded = set()
         if meta is not None and meta.idle and not done:
-            self.loads.wait_for_progress(IDLE_STEP_WAIT_S)
+            if self.loads.pending_async():
+                self.loads.wait_for_progress(IDLE_STEP_WAIT_S)
+            elif self.saves.has_delayed():
+                self.saves.wait_any(IDLE_STEP_WAIT_S)
         for job in self.loads.ready_loads():
             if self._paused:  # the KV cache views are not valid: nothing may be copied in
                 self._load_errors.update(job.spec.block_ids)
@@ -243,7 +221,7 @@ class WorkerHalf:
                 with metrics.timed("load_seconds"):
                     self._start_load(job.spec, job.held, layerwise=False)
             done.add(job.spec.req_id)
-        return None, (done or None)
+        return (self.saves.newly_done() or None), (done or None)
 
     def _start_load(self, spec: LoadSpec, held=None, layerwise: bool | None = None) -> None:
         layerwise = self.use_layerwise if layerwise is None else layerwise
@@ -355,17 +333,23 @@ class WorkerHalf:
                         continue
                     self._finish_store(storer)
             self._step.storers = []
+            self._wait_durable(meta.saves)
             return
         saves = self._saves(meta)
         if not saves:
             return
         mark = self._side.mark()  # the forward that wrote this step's KV was enqueued before this point
-        if self._saver is None:
-            self._store_all(saves, mark)
-            return
-        future = self._saver.submit(self._store_all, saves, mark)
-        with self._pending_lock:
-            self._pending_saves.append((future, saves))
+        future = self.saves.submit(lambda specs: self._store_all(specs, mark), saves)
+        if self.durable_saves and any(spec.is_last for spec in saves):
+            # A producer's answer must not leave before a consumer can find the prompt's chunks.
+            self.saves.wait([future], self.load_timeout_s)
+            self._wait_durable(saves)
+
+    def _wait_durable(self, saves: list[SaveSpec]) -> None:
+        """A producer: the chunks of every prompt completed this step are in every lower tier (bounded)."""
+        for spec in saves if self.durable_saves else ():
+            if spec.is_last and not self.engine.wait_written(spec.token_ids, self.load_timeout_s, spec.extra):
+                metrics.inc("durable_save_timeouts")
 
     def _store_all(self, saves: list[SaveSpec], mark=None) -> None:
         for spec in saves:
