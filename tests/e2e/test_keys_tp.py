@@ -29,8 +29,10 @@ R = P[:512] + h.random_tokens(91, 356)  # 868 tokens: we and vLLM's prefix cache
 
 
 def job(model: str, disk: Path | None, name: str, prompt: list[int]) -> dict[str, Any]:
+    # Synchronous loads: a hit from disk would otherwise load asynchronously, and then a failure on one
+    # rank rolls the request back before it computes anything (no step runs on top of the hole).
     config = None if disk is None else h.connector({"local_disk": str(disk), "max_local_disk_size": 1.0,
-                                                      "max_local_cpu_size": 0.25})
+                                                      "max_local_cpu_size": 0.25, "enable_async_loading": False})
     return {"model": model, "kv_transfer_config": config, "phases": [{"name": name, "prompts": [prompt]}],
             "llm_kwargs": h.llm_kwargs(tensor_parallel_size=TP, distributed_executor_backend="mp")}
 
