@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-$(shell cat requirements/*.txt setup.py scripts/install.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench check-cuda clean
+.PHONY: install test demo bench bench-serving check-cuda clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_memory_tier.py --quick
+
+# vLLM's load generator against lmcache-vllm serve (over an hour on 2 cores; BENCH_ARGS=--quick: minutes)
+bench-serving: install
+	$(PY) benchmarks/bench_serving.py $(BENCH_ARGS)
 
 check-cuda:
 	bash scripts/check_cuda.sh

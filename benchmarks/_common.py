@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -148,3 +149,39 @@ def staged_chunks(num: int, shape: tuple):
     dst_alloc = HostAllocator(total + 4096 * num)
     dst_alloc.arena.fill_(0)
     return chunks, keys, src_objs, dst_alloc
+
+
+def cpu_model() -> str:
+    """The CPU's model name (the benchmarks' figures depend on it: AMD EPYC or Intel with AMX here)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def start_redis(workdir: str, *extra_args: str):
+    """A redis-server (no persistence) on a free loopback port: (process, URL)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb", *extra_args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("redis-server did not start")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,29 +37,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--read-groups", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--mac", action="store_true", help="also measure with a keyed chunk MAC")
-
-
-def start_redis(workdir: str):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
 
 
 async def run(args, url: str) -> dict:
@@ -172,7 +147,7 @@ async def run(args, url: str) -> dict:
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     workdir = tempfile.mkdtemp(prefix="lmcache-bench-redis-")
-    proc, url = start_redis(workdir)
+    proc, url = _common.start_redis(workdir)
     try:
         res = asyncio.run(run(args, url))
     finally:

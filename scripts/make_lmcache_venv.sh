@@ -22,6 +22,8 @@ PEER_SITE=$("$PEER_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_pa
 # The peer's own site-packages come first on sys.path, .venv's after: LMCache and its extras win,
 # everything else is shared without a second copy.
 echo "$(cd "$BASE_SITE" && pwd)" > "$PEER_SITE/zz_base_venv.pth"
+# LMCache's server mode (`lmcache server`, benchmarks/bench_serving.py --vs-lmcache) also imports the
+# OpenTelemetry SDK and its Prometheus exporter.
 "$PEER_VENV/bin/python" -m pip install -q --no-deps "lmcache==$LMCACHE_VERSION" \
-  sortedcontainers aiofile caio aiofiles nvtx
+  sortedcontainers aiofile caio aiofiles nvtx opentelemetry-sdk opentelemetry-exporter-prometheus
 "$PEER_VENV/bin/python" -c "import lmcache, torch; from lmcache.v1.token_database import ChunkedTokenDatabase; print('[lmcache-venv] ready:', '$PEER_VENV', 'torch', torch.__version__)"

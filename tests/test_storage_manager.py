@@ -230,7 +230,11 @@ def test_prefetch_and_cancel_leak_nothing(tmp_path, make_chunk):
             assert handle.done()
             assert mgr.allocator.used_bytes == in_l1 * chunks[0].numel() * 2
             assert mgr.allocator.num_live == in_l1
-        check_and_release(mgr.get([key(0)]), chunks[:1])
+        got = mgr.get([key(0)])
+        assert len(got) == 1, {f"{name}.{tier}": metrics.value(name, tier=tier) for name in ("chunk_hits", "chunk_misses",
+                               "read_alloc_failures", "failed_reads", "corrupt_chunks")
+                               for tier in ("local_cpu", "local_disk")} | {"in_l1": in_l1}
+        check_and_release(got, chunks[:1])
 
 
 def test_close_leaves_no_threads_or_fds(tmp_path, redis_server, redis_prefix, make_chunk):

@@ -209,18 +209,20 @@ async def test_large_read_slower_than_the_timeout_is_not_a_dead_server(redis_ser
     """The timeout is per chunk: a legitimate read of many large chunks may take longer than one chunk's
     timeout without tripping the breaker (it used to cover the whole batch: a big hit became misses and
     marked Redis down)."""
-    allocator = HostAllocator(140 << 20)
-    big = (4, 2, 256, 1024)  # 4 MiB of bf16 per chunk: 128 MiB in all, ~0.2-0.5 s over loopback
-    chunks = [make_chunk(i, big) for i in range(32)]
+    allocator = HostAllocator(270 << 20)
+    big = (4, 2, 256, 1024)  # 4 MiB of bf16 per chunk: 256 MiB in all, ~0.4-1 s over loopback
+    chunks = [make_chunk(i, big) for i in range(64)]
     writer = RedisBackend(redis_server.url, prefix=redis_prefix)
     for i, t in enumerate(chunks):
         src = obj_of(allocator, t)
         assert await writer.put(key(i), src)
         src.ref_down()
     await writer.close()
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.1, read_batch_keys=4)
+    # One MGET of all 64 chunks: 64 x 0.1 s = 6.4 s for a reply that takes ~0.4-1 s (room for a loaded
+    # 2-core machine), while one chunk's 0.1 s is always exceeded.
+    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.1, read_batch_keys=64)
     start = time.monotonic()
-    got = await backend.get_many([key(i) for i in range(32)], alloc_fn(allocator))
+    got = await backend.get_many([key(i) for i in range(64)], alloc_fn(allocator))
     took = time.monotonic() - start
     assert all(obj is not None for obj in got), f"{sum(o is None for o in got)} misses in {took:.2f}s"
     assert took > 0.1, "the read was quicker than one chunk's timeout: the test proves nothing"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -25,7 +24,7 @@ import pytest
 import e2e_harness as h
 from lmcache_vllm.testing.openai_server import launcher as _launcher
 from lmcache_vllm.testing.openai_server import post as _post
-from lmcache_vllm.testing.openai_server import serve
+from lmcache_vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -94,37 +93,8 @@ def _completion(base: str, model: str, prompt: list[int]) -> dict:
                                             "temperature": 0.0})
 
 
-def _cached(answer: dict) -> int:
-    return (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
-
-
-def _scrape(base: str) -> dict[tuple[str, str], float]:
-    """`/metrics` as {(sample name, label value of tier or source): value}, summed over other labels."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        found = re.search(r'(?:tier|source)="([^"]*)"', labels or "")
-        key = (name, found.group(1) if found else "")
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def _wait_for(base: str, check, timeout_s: float = 20.0) -> dict:
-    """Scrapes until `check(scraped)` holds (stats reach the API server a step after the work)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        scraped = _scrape(base)
-        if check(scraped) or time.monotonic() > deadline:
-            return scraped
-        time.sleep(0.5)
+_cached = cached_tokens
+_scrape, _wait_for = scrape, wait_for
 
 
 HIT = "lmcache_vllm:hit_tokens_total"

@@ -1,0 +1,292 @@
+"""Serving under load: vLLM's own load generator against `lmcache-vllm serve`, one configuration after another.
+
+`lmcache-vllm bench serve` (vLLM's `vllm bench serve` through our launcher) drives `lmcache-vllm serve` on
+the medium local model (`lmcache-vllm build-model --size medium`), with vLLM's KV cache (1 GiB,
+VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on, one compute thread
+(VLLM_CPU_OMP_THREADS_BIND=0, as every comparison here). Workloads and configurations, all in one run:
+
+- reuse (`prefix_repetition`: many long shared prefixes, short suffixes, concurrency 4): vLLM alone;
+  + ours with L1 only; + ours with L1 + disk; + ours restarted on that warm disk (a fresh L1); with
+  `--vs-lmcache PYTHON`: LMCache's server mode (`lmcache server` + vLLM's LMCacheMPConnector, L1 only).
+- no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
+- slow tier (reuse, a small L1 over a real Redis): Redis answering, then Redis frozen (DEBUG SLEEP) for
+  a while every few seconds: the TTFT of the requests that wait for it rises, the inter-token latency of
+  the others should not.
+
+Per run: request throughput, TTFT mean/p50/p99, inter-token latency mean/p99, end-to-end latency
+mean/p99, and the prompt tokens served by vLLM's own prefix cache and by each of our tiers (from the
+server's /metrics). Ratios (> 1: lmcache-vllm better) against the baselines of the same run. Writes the
+JSON (`--json`, default bench_out/serving.json) and a PNG (`--png`). A full run takes over an hour on 2
+cores; `--quick` (tiny model, small workloads) a few minutes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (puts the repo root on sys.path)
+
+from lmcache_vllm.testing.openai_server import launcher, post, scrape, serve  # noqa: E402
+from lmcache_vllm.testing.vllm_jobs import CONNECTOR, vllm_env  # noqa: E402
+
+OUT = os.path.join(_common.REPO_ROOT, "bench_out")
+PERCENTILES = "50,99"
+
+
+def workloads(quick: bool) -> dict[str, list[str]]:
+    """`vllm bench serve` dataset arguments of each workload."""
+    if quick:
+        reuse = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "6",
+                 "--prefix-repetition-prefix-len", "1000", "--prefix-repetition-suffix-len", "32",
+                 "--prefix-repetition-output-len", "8", "--num-prompts", "24"]
+        random = ["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len", "8",
+                  "--num-prompts", "8"]
+        slow = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "6",
+                "--prefix-repetition-prefix-len", "1000", "--prefix-repetition-suffix-len", "32",
+                "--prefix-repetition-output-len", "32", "--num-prompts", "24"]
+    else:
+        reuse = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "60",
+                 "--prefix-repetition-prefix-len", "3000", "--prefix-repetition-suffix-len", "64",
+                 "--prefix-repetition-output-len", "16", "--num-prompts", "180"]
+        random = ["--dataset-name", "random", "--random-input-len", "3000", "--random-output-len", "16",
+                  "--num-prompts", "40"]
+        slow = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "20",
+                "--prefix-repetition-prefix-len", "3000", "--prefix-repetition-suffix-len", "64",
+                "--prefix-repetition-output-len", "32", "--num-prompts", "60"]
+    return {"reuse": reuse, "random": random, "slow": slow}
+
+
+def ours(extra: dict) -> dict:
+    return dict(CONNECTOR, kv_connector_extra_config={"chunk_size": 256, **extra})
+
+
+def lmcache_peer(port: int) -> dict:
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+
+
+def server_args(max_model_len: int, kv_config: dict | None) -> list[str]:
+    args = ["--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
+            "--enable-prompt-tokens-details"]
+    if kv_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
+    return args
+
+
+def run_load(base: str, model: str, workload: list[str], out: Path, name: str) -> dict:
+    """One `vllm bench serve` run against `base`; its saved result."""
+    cmd = [*launcher(), "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", model,
+           *workload, "--max-concurrency", "4", "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+           "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", PERCENTILES,
+           "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
+    log = out / f"{name}.bench.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ), timeout=4 * 3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed for {name}:\n{log.read_text()[-4000:]}")
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def cache_tokens(before: dict, after: dict) -> dict:
+    """Prompt tokens of the run and where their KV came from (vLLM's prefix cache, each of our tiers)."""
+    def delta(name: str, label: str = "") -> float:
+        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
+    out = {"prompt_tokens": delta("vllm:prompt_tokens_total"),
+           "vllm_prefix_cache_tokens": delta("vllm:prefix_cache_hits_total")}
+    for tier in ("local_cpu", "local_disk", "redis"):
+        out[f"ours_{tier}_tokens"] = delta("lmcache_vllm:hit_tokens_total", tier)
+    return out
+
+
+def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: list[str],
+            max_model_len: int, python: str | None = None, during=None) -> dict:
+    """Starts a server (ours, vLLM alone or the peer), warms it with one request, runs the load."""
+    env = vllm_env(tmp / name, multiprocessing=True, kv_cache_gib=1)
+    if python is not None:  # the peer: LMCache's connector must import in the server's interpreter
+        env["PYTHONPATH"] = _common.REPO_ROOT
+    print(f"\n-- {name}: starting the server", flush=True)
+    t0 = time.monotonic()
+    with serve(model, server_args(max_model_len, kv_config), tmp, env, timeout_s=900,
+               python=python) as (base, log):
+        post(f"{base}/v1/completions", {"model": model, "prompt": "warm-up", "max_tokens": 2}, timeout=600)
+        before = scrape(base)
+        stop = threading.Event()
+        helper = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
+        if helper:
+            helper.start()
+        try:
+            result = run_load(base, model, workload, tmp, name)
+        finally:
+            stop.set()
+            if helper:
+                helper.join(30)
+        after = scrape(base)
+    row = {"name": name, "server_s": time.monotonic() - t0, **cache_tokens(before, after)}
+    for key in ("duration", "completed", "request_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "total_input_tokens"):
+        row[key] = result.get(key)
+    print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
+          f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms", flush=True)
+    return row
+
+
+def freezer(url: str, freeze_s: float, every_s: float):
+    """A `during` helper: freezes Redis (DEBUG SLEEP) for `freeze_s` every `every_s` until stopped."""
+    import redis
+
+    def run(stop: threading.Event) -> None:
+        client = redis.Redis.from_url(url)
+        try:
+            while not stop.wait(every_s - freeze_s):
+                client.execute_command("DEBUG", "SLEEP", freeze_s)
+        finally:
+            client.close()
+    return run
+
+
+def lmcache_server(python: str, tmp: Path, l1_gb: float):
+    """`lmcache server` (LMCache 0.5.6's server mode) on a free port: (process, port)."""
+    from lmcache_vllm.testing.openai_server import free_port
+
+    port = free_port()
+    log = open(tmp / "lmcache_server.log", "w")
+    proc = subprocess.Popen([str(Path(python).with_name("lmcache")), "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--l1-size-gb", str(l1_gb), "--chunk-size", "256",
+                             "--supported-transfer-mode", "auto"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(vllm_env(tmp / "lmcache_server"), PYTHONHASHSEED="0"))
+    time.sleep(15)  # it has no health endpoint; the vLLM server start that follows takes longer anyway
+    if proc.poll() is not None:
+        raise RuntimeError(f"lmcache server exited: {(tmp / 'lmcache_server.log').read_text()[-3000:]}")
+    return proc, port
+
+
+def ratios(rows: dict) -> dict:
+    def r(a: str, b: str, key: str, inverse: bool = False) -> float | None:
+        if a not in rows or b not in rows or not rows[a].get(key) or not rows[b].get(key):
+            return None
+        return rows[b][key] / rows[a][key] if inverse else rows[a][key] / rows[b][key]
+    out = {
+        # reuse: ours (L1 + disk) against vLLM alone and against LMCache's server mode
+        "reuse_throughput_vs_vllm_ratio": r("reuse_ours_l1_disk", "reuse_vllm", "request_throughput"),
+        "reuse_ttft_p99_vllm_over_ours_ratio": r("reuse_ours_l1_disk", "reuse_vllm", "p99_ttft_ms", True),
+        "reuse_throughput_vs_lmcache_ratio": r("reuse_ours_l1", "reuse_lmcache", "request_throughput"),
+        "reuse_ttft_p50_lmcache_over_ours_ratio": r("reuse_ours_l1", "reuse_lmcache", "p50_ttft_ms", True),
+        # a fresh server on the warm disk against the warm-L1 run
+        "restart_vs_warm_l1_throughput_ratio": r("reuse_ours_restart", "reuse_ours_l1", "request_throughput"),
+        # no reuse: what the connector costs
+        "no_reuse_throughput_vs_vllm_ratio": r("random_ours", "random_vllm", "request_throughput"),
+        "no_reuse_ttft_p99_vllm_over_ours_ratio": r("random_ours", "random_vllm", "p99_ttft_ms", True),
+        # a frozen Redis: the TTFT of those waiting rises, the inter-token latency of the others should not
+        "slow_tier_itl_p99_answering_over_frozen_ratio": r("slow_redis_frozen", "slow_redis", "p99_itl_ms", True),
+        "slow_tier_ttft_p99_answering_over_frozen_ratio": r("slow_redis_frozen", "slow_redis", "p99_ttft_ms", True),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def plot(path: str, rows: dict, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    names = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, key, label in ((axes[0], "request_throughput", "requests/s"),
+                           (axes[1], "p50_ttft_ms", "TTFT p50 (ms, log)"),
+                           (axes[2], "p99_ttft_ms", "TTFT p99 (ms, log)")):
+        values = [rows[n].get(key) or 0 for n in names]
+        ax.bar(range(len(names)), values, color="#2b7bba")
+        ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=7)
+        ax.set_ylabel(label)
+        if key != "request_throughput":
+            ax.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    def add_arguments(p) -> None:
+        p.add_argument("--png", default=os.path.join(OUT, "serving.png"))
+        p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
+                       "(scripts/make_lmcache_venv.sh): also run LMCache's server mode as the peer")
+        p.add_argument("--only", nargs="*", help="run only these configurations (names as in the output)")
+
+    args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
+    args.json = args.json or os.path.join(OUT, "serving.json")
+    from lmcache_vllm.testing.local_model import build_model
+
+    size = "tiny" if args.quick else "medium"
+    model = str(build_model(size))
+    max_model_len = 2048 if args.quick else 4096
+    loads = workloads(args.quick)
+    l1_gb = 0.5 if args.quick else 4.0
+    slow_l1_gb = 0.02 if args.quick else 0.25  # smaller than the slow workload's prefixes: hits from Redis
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmpdir:
+        tmp = Path(tmpdir)
+        disk = {"local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
+        redis_proc, redis_url = _common.start_redis(tmpdir, "--enable-debug-command", "local")
+        slow = {"max_local_cpu_size": slow_l1_gb, "remote_url": redis_url,
+                "extra_config": {"remote_timeout_secs": 10.0}}
+        plan = [
+            ("reuse_vllm", None, "reuse", {}),
+            ("reuse_ours_l1", ours({"max_local_cpu_size": l1_gb}), "reuse", {}),
+            ("reuse_ours_l1_disk", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {}),
+            ("reuse_ours_restart", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {}),
+            ("random_vllm", None, "random", {}),
+            ("random_ours", ours({"max_local_cpu_size": l1_gb, **disk}), "random", {}),
+            ("slow_redis", ours(slow), "slow", {}),
+            ("slow_redis_frozen", ours(dict(slow, extra_config={"remote_timeout_secs": 10.0,
+                                                                  "remote_key_prefix": "frozen:"})),
+             "slow", {"during": freezer(redis_url, 1.0, 4.0)}),
+        ]
+        try:
+            for name, kv_config, workload, opts in plan:
+                if args.only and name not in args.only:
+                    continue
+                rows[name] = measure(name, tmp, model, kv_config, loads[workload], max_model_len, **opts)
+            if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
+                proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
+                try:
+                    rows["reuse_lmcache"] = measure("reuse_lmcache", tmp, model, lmcache_peer(port),
+                                                    loads["reuse"], max_model_len, python=args.vs_lmcache)
+                finally:
+                    os.killpg(proc.pid, 15)
+                    proc.wait(30)
+        finally:
+            redis_proc.kill()
+            redis_proc.wait()
+    headers = ("config", "req/s", "TTFT mean", "p50", "p99", "ITL p99", "E2E mean", "prompt tok",
+               "vLLM cache", "ours L1", "ours disk", "ours redis")
+    _common.print_table(f"serving, {size} model, concurrency 4 (ms unless noted)", [
+        (n, r["request_throughput"], r["mean_ttft_ms"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["p99_itl_ms"],
+         r["mean_e2el_ms"], int(r["prompt_tokens"]), int(r["vllm_prefix_cache_tokens"]),
+         int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]))
+        for n, r in rows.items()], headers)
+    res = {"model": size, "cpu": _common.cpu_model(), **ratios(rows)}
+    for name, row in rows.items():
+        for key, value in row.items():
+            if key != "name" and value is not None:
+                res[f"{name}.{key}"] = value
+    for key, value in res.items():
+        if key.endswith("_ratio"):
+            print(f"{key}: {value:.2f}")
+    _common.write_json(args.json, res)
+    plot(args.png, rows, f"lmcache-vllm serving, {size} model, vLLM KV cache 1 GiB, concurrency 4")
+
+
+if __name__ == "__main__":
+    main()
