@@ -88,7 +88,7 @@ def test_frozen_redis_delays_only_the_request_that_waits_for_it(tiny_model, tmp_
         reset_l1(base)  # from now on the prompt's chunks are only in Redis
 
         decode_times: list[float] = []
-        body = {"model": tiny_model, "prompt": DECODE_PROMPT, "max_tokens": 300, "temperature": 0.0,
+        body = {"model": tiny_model, "prompt": DECODE_PROMPT, "max_tokens": 1500, "temperature": 0.0,
                 "ignore_eos": True}
         decode = threading.Thread(target=serving.stream, args=(f"{base}/v1/completions", body, 120, decode_times),
                                   daemon=True)
