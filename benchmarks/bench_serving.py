@@ -158,7 +158,8 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float):
     port = free_port()
     log = open(tmp / "lmcache_server.log", "w")
     proc = subprocess.Popen([str(Path(python).with_name("lmcache")), "server", "--host", "127.0.0.1",
-                             "--port", str(port), "--l1-size-gb", str(l1_gb), "--chunk-size", "256",
+                             "--port", str(port), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+                             "--chunk-size", "256",
                              "--supported-transfer-mode", "auto"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(vllm_env(tmp / "lmcache_server"), PYTHONHASHSEED="0"))
@@ -235,6 +236,7 @@ def main() -> None:
     l1_gb = 0.5 if args.quick else 4.0
     slow_l1_gb = 0.02 if args.quick else 0.25  # smaller than the slow workload's prefixes: hits from Redis
     rows: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmpdir:
         tmp = Path(tmpdir)
         disk = {"local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
@@ -257,15 +259,23 @@ def main() -> None:
             for name, kv_config, workload, opts in plan:
                 if args.only and name not in args.only:
                     continue
-                rows[name] = measure(name, tmp, model, kv_config, loads[workload], max_model_len, **opts)
-            if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
-                proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
                 try:
-                    rows["reuse_lmcache"] = measure("reuse_lmcache", tmp, model, lmcache_peer(port),
-                                                    loads["reuse"], max_model_len, python=args.vs_lmcache)
-                finally:
-                    os.killpg(proc.pid, 15)
-                    proc.wait(30)
+                    rows[name] = measure(name, tmp, model, kv_config, loads[workload], max_model_len, **opts)
+                except Exception as exc:  # one failed configuration must not lose the others' figures
+                    failed[name] = repr(exc)[-2000:]
+                    print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
+            if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
+                try:
+                    proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
+                    try:
+                        rows["reuse_lmcache"] = measure("reuse_lmcache", tmp, model, lmcache_peer(port),
+                                                        loads["reuse"], max_model_len, python=args.vs_lmcache)
+                    finally:
+                        os.killpg(proc.pid, 15)
+                        proc.wait(30)
+                except Exception as exc:
+                    failed["reuse_lmcache"] = repr(exc)[-2000:]
+                    print(f"   reuse_lmcache FAILED: {exc!r}"[:3000], flush=True)
         finally:
             redis_proc.kill()
             redis_proc.wait()
@@ -276,7 +286,8 @@ def main() -> None:
          r["mean_e2el_ms"], int(r["prompt_tokens"]), int(r["vllm_prefix_cache_tokens"]),
          int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]))
         for n, r in rows.items()], headers)
-    res = {"model": size, "cpu": _common.cpu_model(), **ratios(rows)}
+    res = {"model": size, "cpu": _common.cpu_model(), **ratios(rows),
+           **{f"{name}.failed": why for name, why in failed.items()}}
     for name, row in rows.items():
         for key, value in row.items():
             if key != "name" and value is not None:
@@ -286,6 +297,8 @@ def main() -> None:
             print(f"{key}: {value:.2f}")
     _common.write_json(args.json, res)
     plot(args.png, rows, f"lmcache-vllm serving, {size} model, vLLM KV cache 1 GiB, concurrency 4")
+    if failed:
+        raise SystemExit(f"failed configurations: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
