@@ -8,7 +8,8 @@ pays that price inside the serving loop. `ArenaPrefaulter` asks the kernel to po
 it is safe while the allocator already hands out and fills regions of the same arena. It also asks
 for transparent huge pages (`MADV_HUGEPAGE`, fewer faults and TLB misses), best effort.
 
-`sync` populates before returning: start-up takes longer (here ~2.7 s per GiB, far less on bare metal)
+`sync` populates before returning: start-up takes longer (1.8-2.7 s per GiB on our VMs, measured with
+`benchmarks/bench_prefault.py`; far less on bare metal)
 and the arena is ready for the first request. In the background the thread runs at the lowest CPU
 priority (nice 19) and populates 2 MiB per call, to fill idle time and hold the process's memory map
 only briefly (a 64 MiB call held off vLLM's own allocations for ~170 ms). It still slows the requests
