@@ -24,7 +24,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/bench_memory_tier.py --quick
 
-# vLLM's load generator against lmcache-vllm serve (over an hour on 2 cores; BENCH_ARGS=--quick: minutes)
+# vLLM's load generator against lmcache-vllm serve (about 25 minutes on 2 cores; BENCH_ARGS=--quick: about 5)
 bench-serving: install
 	$(PY) benchmarks/bench_serving.py $(BENCH_ARGS)
 
