@@ -40,27 +40,25 @@ OUT = os.path.join(_common.REPO_ROOT, "bench_out")
 PERCENTILES = "50,99"
 
 
+def shared_prefixes(prefixes: int, prefix_len: int, suffix_len: int, output_len: int, prompts: int) -> list[str]:
+    """vLLM's `prefix_repetition` dataset: `prefixes` long shared prefixes, each with short suffixes."""
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", str(prefixes),
+            "--prefix-repetition-prefix-len", str(prefix_len), "--prefix-repetition-suffix-len", str(suffix_len),
+            "--prefix-repetition-output-len", str(output_len), "--num-prompts", str(prompts)]
+
+
+def random_prompts(input_len: int, output_len: int, prompts: int) -> list[str]:
+    return ["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+            str(output_len), "--num-prompts", str(prompts)]
+
+
 def workloads(quick: bool) -> dict[str, list[str]]:
     """`vllm bench serve` dataset arguments of each workload."""
     if quick:
-        reuse = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "6",
-                 "--prefix-repetition-prefix-len", "1000", "--prefix-repetition-suffix-len", "32",
-                 "--prefix-repetition-output-len", "8", "--num-prompts", "24"]
-        random = ["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len", "8",
-                  "--num-prompts", "8"]
-        slow = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "6",
-                "--prefix-repetition-prefix-len", "1000", "--prefix-repetition-suffix-len", "32",
-                "--prefix-repetition-output-len", "32", "--num-prompts", "24"]
-    else:
-        reuse = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "60",
-                 "--prefix-repetition-prefix-len", "3000", "--prefix-repetition-suffix-len", "64",
-                 "--prefix-repetition-output-len", "16", "--num-prompts", "180"]
-        random = ["--dataset-name", "random", "--random-input-len", "3000", "--random-output-len", "16",
-                  "--num-prompts", "40"]
-        slow = ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "20",
-                "--prefix-repetition-prefix-len", "3000", "--prefix-repetition-suffix-len", "64",
-                "--prefix-repetition-output-len", "32", "--num-prompts", "60"]
-    return {"reuse": reuse, "random": random, "slow": slow}
+        return {"reuse": shared_prefixes(6, 1000, 32, 8, 24), "random": random_prompts(1000, 8, 8),
+                "slow": shared_prefixes(6, 1000, 32, 32, 24)}
+    return {"reuse": shared_prefixes(60, 3000, 64, 16, 180), "random": random_prompts(3000, 16, 40),
+            "slow": shared_prefixes(20, 3000, 64, 32, 60)}
 
 
 def ours(extra: dict) -> dict:
