@@ -6,7 +6,8 @@ VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on
 (VLLM_CPU_OMP_THREADS_BIND=0, as every comparison here). Workloads and configurations, all in one run:
 
 - reuse (`prefix_repetition`: many long shared prefixes, short suffixes, concurrency 4): vLLM alone;
-  + ours with L1 only; + ours with L1 + disk; + ours restarted on that warm disk (a fresh L1); with
+  + ours with L1 only; + ours with L1 + disk, then the same prompts again (pass 2: all in L1); + ours
+  restarted on that warm disk (a fresh L1, compared with pass 2); with
   `--vs-lmcache PYTHON`: LMCache's server mode (`lmcache server` + vLLM's LMCacheMPConnector, L1 only).
 - no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
 - slow tier (reuse, vLLM's prefix cache off, a small L1 over a real Redis): Redis answering, then Redis
@@ -108,8 +109,10 @@ def cache_tokens(before: dict, after: dict) -> dict:
 
 
 def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: list[str],
-            max_model_len: int, python: str | None = None, during=None, prefix_caching: bool = True) -> dict:
-    """Starts a server (ours, vLLM alone or the peer), warms it with one request, runs the load."""
+            max_model_len: int, python: str | None = None, during=None, prefix_caching: bool = True,
+            passes: int = 1) -> dict[str, dict]:
+    """Starts a server (ours, vLLM alone or the peer), warms it with one request, runs the load `passes`
+    times (the same prompts again: pass 2 finds them cached): {name, name_pass2, ...: row}."""
     env = vllm_env(tmp / name, multiprocessing=True, kv_cache_gib=1)
     if python is not None:  # the peer: LMCache's connector must import in the server's interpreter
         env["PYTHONPATH"] = _common.REPO_ROOT
@@ -118,25 +121,29 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: 
     with serve(model, server_args(max_model_len, kv_config, prefix_caching), tmp, env, timeout_s=900,
                python=python) as (base, log):
         post(f"{base}/v1/completions", {"model": model, "prompt": "warm-up", "max_tokens": 2}, timeout=600)
-        before = scrape(base)
-        stop = threading.Event()
-        helper = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
-        if helper:
-            helper.start()
-        try:
-            result = run_load(base, model, workload, tmp, name)
-        finally:
-            stop.set()
+        rows = {}
+        for i in range(passes):
+            pass_name = name if i == 0 else f"{name}_pass{i + 1}"
+            before = scrape(base)
+            stop = threading.Event()
+            helper = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
             if helper:
-                helper.join(30)
-        after = scrape(base)
-    row = {"name": name, "server_s": time.monotonic() - t0, **cache_tokens(before, after)}
-    for key in ("duration", "completed", "request_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
-                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "total_input_tokens"):
-        row[key] = result.get(key)
-    print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
-          f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms", flush=True)
-    return row
+                helper.start()
+            try:
+                result = run_load(base, model, workload, tmp, pass_name)
+            finally:
+                stop.set()
+                if helper:
+                    helper.join(30)
+            row = {"name": pass_name, "server_s": time.monotonic() - t0, **cache_tokens(before, scrape(base))}
+            for key in ("duration", "completed", "request_throughput", "mean_ttft_ms", "p50_ttft_ms",
+                        "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
+                        "total_input_tokens"):
+                row[key] = result.get(key)
+            print(f"   {pass_name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
+                  f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms", flush=True)
+            rows[pass_name] = row
+    return rows
 
 
 def freezer(url: str, freeze_s: float, every_s: float):
@@ -182,8 +189,9 @@ def ratios(rows: dict) -> dict:
         "reuse_ttft_p99_vllm_over_ours_ratio": r("reuse_ours_l1_disk", "reuse_vllm", "p99_ttft_ms", True),
         "reuse_throughput_vs_lmcache_ratio": r("reuse_ours_l1", "reuse_lmcache", "request_throughput"),
         "reuse_ttft_p50_lmcache_over_ours_ratio": r("reuse_ours_l1", "reuse_lmcache", "p50_ttft_ms", True),
-        # a fresh server on the warm disk against the warm-L1 run
-        "restart_vs_warm_l1_throughput_ratio": r("reuse_ours_restart", "reuse_ours_l1", "request_throughput"),
+        # a fresh server on the warm disk against the same prompts again from a warm L1 (pass 2)
+        "restart_vs_warm_l1_throughput_ratio": r("reuse_ours_restart", "reuse_ours_l1_disk_pass2",
+                                                 "request_throughput"),
         # no reuse: what the connector costs
         "no_reuse_throughput_vs_vllm_ratio": r("random_ours", "random_vllm", "request_throughput"),
         "no_reuse_ttft_p99_vllm_over_ours_ratio": r("random_ours", "random_vllm", "p99_ttft_ms", True),
@@ -248,7 +256,8 @@ def main() -> None:
         plan = [
             ("reuse_vllm", None, "reuse", {}),
             ("reuse_ours_l1", ours({"max_local_cpu_size": l1_gb}), "reuse", {}),
-            ("reuse_ours_l1_disk", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {}),
+            # pass 2: the same prompts again, every prefix in L1 (the warm run a restart is compared with)
+            ("reuse_ours_l1_disk", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {"passes": 2}),
             ("reuse_ours_restart", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {}),
             ("random_vllm", None, "random", {}),
             ("random_ours", ours({"max_local_cpu_size": l1_gb, **disk}), "random", {}),
@@ -264,7 +273,7 @@ def main() -> None:
                 if args.only and name not in args.only:
                     continue
                 try:
-                    rows[name] = measure(name, tmp, model, kv_config, loads[workload], max_model_len, **opts)
+                    rows.update(measure(name, tmp, model, kv_config, loads[workload], max_model_len, **opts))
                 except Exception as exc:  # one failed configuration must not lose the others' figures
                     failed[name] = repr(exc)[-2000:]
                     print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
@@ -272,8 +281,8 @@ def main() -> None:
                 try:
                     proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
                     try:
-                        rows["reuse_lmcache"] = measure("reuse_lmcache", tmp, model, lmcache_peer(port),
-                                                        loads["reuse"], max_model_len, python=args.vs_lmcache)
+                        rows.update(measure("reuse_lmcache", tmp, model, lmcache_peer(port), loads["reuse"],
+                                            max_model_len, python=args.vs_lmcache))
                     finally:
                         os.killpg(proc.pid, 15)
                         proc.wait(30)

@@ -3,8 +3,8 @@ oneDNN, so the AMD paths run here: vLLM's CPU attention picks the `vec` K packin
 oneDNN's GEMMs use AVX-512 bf16 instead of AMX (their rounding differs, as between the two machine kinds).
 Use it by putting this directory first on PYTHONPATH (child processes inherit it), e.g.
 
-    PYTHONPATH=scripts/no_amx:$PWD .venv/bin/python -m pytest -q tests/e2e
-    PYTHONPATH=scripts/no_amx:$PWD .venv/bin/python examples/demo.py
+    PYTHONPATH=$PWD/scripts/no_amx:$PWD .venv/bin/python -m pytest -q tests/e2e
+    PYTHONPATH=$PWD/scripts/no_amx:$PWD .venv/bin/python examples/demo.py
 
 It is not a real AMD machine (memory bandwidth, caches and kernels other than these two stay Intel's).
 """
