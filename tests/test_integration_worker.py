@@ -145,6 +145,7 @@ def test_reset_command_empties_l1_after_pending_saves(tmp_path):
         assert client.lookup(query(tokens, "r2")) == (2 * CHUNK, ("local_cpu", "local_cpu"), 0, False)
     finally:
         client.close()
+        worker.shutdown()
 
 
 def _failure_step(worker, tokens, new_tokens, load_blocks, save_blocks, layerwise=False):
