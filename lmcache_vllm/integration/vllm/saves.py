@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -60,12 +60,11 @@ class SaveQueue:
         return future
 
     def _futures(self, req_ids: Iterable[str] | None = None) -> list[Future]:
-        with self._lock:
-            self._pending = [p for p in self._pending if not p.future.done()]
-            if req_ids is None:
-                return [p.future for p in self._pending]
-            ids = set(req_ids)
-            return [p.future for p in self._pending if any(s.req_id in ids for s in p.specs)]
+        pending = self._snapshot()
+        if req_ids is None:
+            return [p.future for p in pending]
+        ids = set(req_ids)
+        return [p.future for p in pending if any(s.req_id in ids for s in p.specs)]
 
     def drain(self, req_ids: Iterable[str] | None = None) -> None:
         """Waits for the saves in flight (of `req_ids` only, when given); each catches its own errors."""
@@ -92,8 +91,7 @@ class SaveQueue:
     def shares_prefix(self, token_ids, chunk_size: int) -> bool:
         """Whether a save in flight stores the first chunk of `token_ids` (without a common first chunk it
         cannot add to this prompt's hit)."""
-        with self._lock:
-            pending = [p.specs for p in self._pending if not p.future.done()]
+        pending = [p.specs for p in self._snapshot()]
         if not pending:
             return False
         first = min(len(token_ids), chunk_size)
@@ -123,7 +121,6 @@ class SaveQueue:
         """Waits until one save in flight finishes, at most `timeout_s` (an idle step's short pause)."""
         futures = self._futures()
         if futures:
-            from concurrent.futures import FIRST_COMPLETED, wait
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _snapshot(self) -> list[_Pending]:
