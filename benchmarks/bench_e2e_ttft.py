@@ -7,7 +7,7 @@ without the connector (what the cache costs when it never helps).
 Full: the `medium` local Llama (8 layers, hidden 1024) and 3900-token prompts. --quick: the `tiny` model
 and 1400-token prompts. Both lengths are ones where vLLM's prefix cache (128-token blocks) and our
 256-token chunks serve a repeat the same number of tokens, so warm TTFTs compare the same work and every
-output is checked against vLLM at the same prefill split (`lmcache_vllm.testing.reference`):
+output is checked against vLLM at the same prefill split (`lmcache_vllm.integration.vllm.testing.reference`):
 `outputs_like_with_like` is true when all of them are bit-identical. (The `save_unfull_chunk` run loads
 all but the last token, a split vLLM's prefix cache cannot serve: its tokens are not compared.) Each configuration runs in its own vLLM process (in-process engine, the same
 thread setup for every run, so all are comparable). TTFT is the wall time of a request with
@@ -44,8 +44,8 @@ from pathlib import Path
 
 from _common import REPO_ROOT, parse_args, print_table, write_json
 
-from lmcache_vllm.testing.reference import like_with_like
-from lmcache_vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
+from lmcache_vllm.integration.vllm.testing.reference import like_with_like
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
 def _tokens(seed: int, n: int) -> list[int]:
     return random_tokens(seed, n)
@@ -107,7 +107,7 @@ def main() -> None:
     size, prompt_len, repeats, batch, fresh_runs, tput_rounds, tput_batches = (
         ("tiny", 1400, 2, 4, 1, 1, 2) if args.quick else ("medium", 3900, 3, 4, 2, 3, 3))
     warm_repeats = 2 if args.quick else 5
-    from lmcache_vllm.testing.local_model import build_model
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     model = str(build_model(size))
     kwargs = {"dtype": "bfloat16", "max_model_len": prompt_len + 256, "enforce_eager": True, "seed": 0,

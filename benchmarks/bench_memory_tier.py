@@ -29,7 +29,7 @@ from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.storage.manager import StorageManager
-from lmcache_vllm.testing.kv_views import KVViewCase, kv_views
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, kv_views
 from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
 from lmcache_vllm.tokens import DEFAULT_HASH_ALGORITHM, SUPPORTED_HASH_ALGORITHMS, ChunkHasher, KeyBuilder
 

@@ -26,7 +26,7 @@ import torch
 
 from lmcache_vllm import ops
 from lmcache_vllm.layouts import detect_layout
-from lmcache_vllm.testing.kv_views import KVViewCase, fill_known, kv_views
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
 
 
 def timed(fn: Callable[[], None], calls: int) -> float:

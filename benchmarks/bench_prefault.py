@@ -18,7 +18,7 @@ import _common  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 
 from lmcache_vllm.memory import HostAllocator  # noqa: E402
-from lmcache_vllm.prefault import ArenaPrefaulter  # noqa: E402
+from lmcache_vllm.memory.prefault import ArenaPrefaulter  # noqa: E402
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 
 from lmcache_vllm.storage import codec  # noqa: E402
+from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.storage.redis_backend import RedisBackend  # noqa: E402
 
 
@@ -95,8 +96,10 @@ async def run(args, url: str) -> dict:
 
     async def measure(groups: int, mac: codec.ChunkMac | None = None, with_put: bool = False):
         """(put GB/s or None, get GB/s) of our backend reading in `groups` groups."""
-        backend = RedisBackend(url, prefix="ours:" if mac is None else "mac:", read_groups=groups,
-                               timeout_secs=30.0, mac=mac)
+        config = LMCacheConfig(remote_url=url, extra_config={
+            "remote_key_prefix": "ours:" if mac is None else "mac:", "remote_read_groups": groups,
+            "remote_timeout_secs": 30.0})
+        backend = RedisBackend(config, mac=mac)
         held: list = []
 
         async def ours_put():

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
 
-from lmcache_vllm.testing.openai_server import launcher, post, scrape, serve  # noqa: E402
-from lmcache_vllm.testing.vllm_jobs import CONNECTOR, vllm_env  # noqa: E402
+from lmcache_vllm.integration.vllm.testing.openai_server import launcher, post, scrape, serve  # noqa: E402
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env  # noqa: E402
 
 OUT = os.path.join(_common.REPO_ROOT, "bench_out")
 PERCENTILES = "50,99"
@@ -162,7 +162,7 @@ def freezer(url: str, freeze_s: float, every_s: float):
 
 def lmcache_server(python: str, tmp: Path, l1_gb: float):
     """`lmcache server` (LMCache 0.5.6's server mode) on a free port: (process, port)."""
-    from lmcache_vllm.testing.openai_server import free_port
+    from lmcache_vllm.integration.vllm.testing.openai_server import free_port
 
     port = free_port()
     log = open(tmp / "lmcache_server.log", "w")
@@ -237,7 +237,7 @@ def main() -> None:
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     args.json = args.json or os.path.join(OUT, "serving.json")
-    from lmcache_vllm.testing.local_model import build_model
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     size = "tiny" if args.quick else "medium"
     model = str(build_model(size))

@@ -7,7 +7,7 @@ Builds the tiny local model (no hub), then runs three vLLM processes on one ~140
   2. vLLM with the connector (host memory + disk): a cold request, then the same prompt again,
   3. a fresh vLLM process with the connector: the prompt is found on disk.
 and prints what was loaded from where, how fast, and whether the output is the same as vLLM's at the same
-prefill split ("same output"; see lmcache_vllm/testing/reference.py for why only that comparison is fair).
+prefill split ("same output"; see lmcache_vllm/integration/vllm/testing/reference.py for why only that comparison is fair).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lmcache_vllm.testing.local_model import build_model
-from lmcache_vllm.testing.reference import hit_splits_agree, same_output
-from lmcache_vllm.testing.vllm_jobs import connector_config, phase_results, random_tokens, run_job
+from lmcache_vllm.integration.vllm.testing.local_model import build_model
+from lmcache_vllm.integration.vllm.testing.reference import hit_splits_agree, same_output
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import connector_config, phase_results, random_tokens, run_job
 
 
 def _tier(stats: dict) -> str:

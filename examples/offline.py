@@ -30,7 +30,7 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ.setdefault("LMCACHE_CONFIG_FILE", args.config or os.path.join(root, "configs", "cpu_disk.yaml"))
     if args.model is None:
-        from lmcache_vllm.testing.local_model import build_model
+        from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
         args.model = str(build_model("tiny"))
 

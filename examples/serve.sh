@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-MODEL=${1:-$($PY -m lmcache_vllm.testing.local_model --size tiny)}
+MODEL=${1:-$($PY -m lmcache_vllm.integration.vllm.testing.local_model --size tiny)}
 export LMCACHE_CONFIG_FILE=${2:-configs/cpu_disk.yaml}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0}   # see examples/offline.py
 PORT=${PORT:-8011}

@@ -41,7 +41,7 @@ USAGE = """usage: lmcache-vllm serve MODEL [vllm serve options...]
 
 
 def _default_key_prefix() -> str:
-    from lmcache_vllm.config_extra import ExtraConfig
+    from lmcache_vllm.config.extra import ExtraConfig
 
     return ExtraConfig().remote_key_prefix
 
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return EXIT_OK if args else EXIT_USAGE
     if args[0] == "build-model":
-        from lmcache_vllm.testing.local_model import main as build_main
+        from lmcache_vllm.integration.vllm.testing.local_model import main as build_main
 
         return build_main(args[1:])
     if args[0] in TOOLS:

@@ -17,7 +17,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from lmcache_vllm import kv_events, logs, metrics
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
@@ -44,7 +44,7 @@ class _Chunk:
 @dataclass(frozen=True)
 class PrefixHit:
     """Where a looked-up run of chunks is: tokens [start, end) found (end 0: nothing found), and the tier
-    holding each of its chunks ("local_cpu" for L1, then the lower tiers' names)."""
+    holding each of its chunks (`Tier.LOCAL_CPU` for L1, then the lower tiers' names)."""
 
     start: int
     end: int

@@ -42,6 +42,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from lmcache_vllm.config import HASH_ALGORITHMS, LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
 
 try:
@@ -51,7 +52,7 @@ except ImportError:  # tokens.py works on plain lists / numpy arrays too
 
 TOKEN_HASH_SCHEME = "tokens/v1"
 TOKEN_BYTES = 8  # little-endian int64 per token id
-DEFAULT_HASH_ALGORITHM = "xxh3_128"
+DEFAULT_HASH_ALGORITHM: str = LMCacheConfig.__dataclass_fields__["pre_caching_hash_algorithm"].default
 
 
 def _xxh3_128() -> Callable[[bytes], bytes]:
@@ -70,7 +71,10 @@ def _sha256() -> Callable[[bytes], bytes]:
 
 
 _HASH_FACTORIES = {"xxh3_128": _xxh3_128, "blake3": _blake3, "sha256": _sha256}
-SUPPORTED_HASH_ALGORITHMS = tuple(_HASH_FACTORIES)
+SUPPORTED_HASH_ALGORITHMS = HASH_ALGORITHMS  # the configuration's list; implemented here, exactly
+if set(_HASH_FACTORIES) != set(HASH_ALGORITHMS):
+    raise RuntimeError(f"tokens.py implements {sorted(_HASH_FACTORIES)}, the configuration offers "
+                       f"{sorted(HASH_ALGORITHMS)}")
 
 TokenIds = Union[Sequence[int], np.ndarray, "torch.Tensor"]
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from lmcache_vllm.config import load_config  # noqa: E402
 from lmcache_vllm.memory import HostAllocator  # noqa: E402
-from lmcache_vllm.pinned import PAGE  # noqa: E402
+from lmcache_vllm.memory.pinned import PAGE  # noqa: E402
 
 
 def status() -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Shared test fixtures: a real `redis-server` for the session (`redis_server`), a fresh key prefix per
 test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, and fresh process metrics for
-every test (`lmcache_vllm.metrics` counts per process; `lmcache_vllm.logs` rate-limits per process)."""
+every test (`lmcache_vllm.observability.metrics` counts per process; `lmcache_vllm.observability.logs` rate-limits per process)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class RedisServer:
 
 @pytest.fixture(autouse=True)
 def fresh_metrics():
-    from lmcache_vllm import kv_events, logs, metrics
+    from lmcache_vllm.observability import kv_events, logs, metrics
 
     metrics.RECORDER.reset()
     metrics.set_primary(True)

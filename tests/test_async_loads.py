@@ -11,7 +11,7 @@ import pytest
 import redis
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.loads import FIRST_ANSWER_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec

@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from lmcache_vllm import config as config_mod
-from lmcache_vllm import prefault, tokens
-from lmcache_vllm.config import ConfigError, ExtraConfig, LMCacheConfig, load_config
+from lmcache_vllm.config import loader as config_mod
+from lmcache_vllm import tokens
+from lmcache_vllm.memory import prefault
+from lmcache_vllm.config import HASH_ALGORITHMS, ConfigError, ExtraConfig, LMCacheConfig, load_config
 
 
 def write_yaml(tmp_path, text, name="lmcache.yaml"):
@@ -31,7 +32,7 @@ def test_defaults():
     assert cfg.pre_caching_hash_algorithm == tokens.DEFAULT_HASH_ALGORITHM
     assert cfg.extra_config == ExtraConfig() and cfg.extra_config.async_save is True
     assert cfg.extra_config.write_queue_depth == 64 and cfg.extra_config.prefault_local_cpu == "off"
-    assert set(config_mod.SUPPORTED_HASH_ALGORITHMS) == set(tokens.SUPPORTED_HASH_ALGORITHMS)
+    assert set(HASH_ALGORITHMS) == set(tokens.SUPPORTED_HASH_ALGORITHMS)
     prefault_field = {f.name: f for f in dataclasses.fields(ExtraConfig)}["prefault_local_cpu"]
     assert set(prefault_field.metadata["choices"]) == set(prefault.MODES)
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_vllm import config_doc
+from lmcache_vllm.config import doc as config_doc
 from lmcache_vllm.config import ExtraConfig, LMCacheConfig, inspect_config, load_config
-from lmcache_vllm.config_lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
+from lmcache_vllm.config.lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
                                          LMCACHE_KEYS, UNSUPPORTED)
-from lmcache_vllm.config_schema import did_you_mean
-from lmcache_vllm.config_sources import OWN_ENV_VARS
+from lmcache_vllm.config.fields import did_you_mean
+from lmcache_vllm.config.sources import OWN_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "lmcache_configs"
@@ -223,7 +223,7 @@ def test_environment_variables(tmp_path):
     report = inspect(environ=env)
     assert report.problems == [] and report.config.chunk_size == 64
     text = "\n".join(report.warnings)
-    assert "LMCACHE_VLLM_OPS" not in text  # ours, declared in config_sources.OWN_ENV_VARS
+    assert "LMCACHE_VLLM_OPS" not in text  # ours, declared in config.sources.OWN_ENV_VARS
     assert "nixl_peer_port (environment LMCACHE_NIXL_PEER_PORT): ignored while enable_pd" in text
     assert "LMCACHE_LOG_LEVEL (environment): ignored: LMCache's log level" in text
     assert "LMCACHE_CHUNK_SIZ (environment): ignored: not a configuration key of lmcache-vllm or LMCache; " \
@@ -257,7 +257,7 @@ def test_every_lmcache_name_in_the_repository_is_declared():
 
 def test_readme_carries_the_generated_tables():
     section = config_doc.readme_section((ROOT / "README.md").read_text())
-    assert section == config_doc.markdown(), "run: python -m lmcache_vllm.config_doc --update-readme"
+    assert section == config_doc.markdown(), "run: python -m lmcache_vllm.config.doc --update-readme"
     for name in list(LMCACHE_KEYS) + [f.name for f in dataclasses.fields(ExtraConfig)]:
         assert f"`{name}`" in section or f"`extra_config.{name}`" in section
 
@@ -265,7 +265,7 @@ def test_readme_carries_the_generated_tables():
 def test_check_command_over_files():
     ok = DATA / "LMCache__examples__kv_cache_reuse__remote_backends__resp__resp.yaml"
     refused = DATA / "LMCache__examples__example.yaml"
-    run = subprocess.run([sys.executable, "-m", "lmcache_vllm.config_doc", "--check", str(ok), str(refused)],
+    run = subprocess.run([sys.executable, "-m", "lmcache_vllm.config.doc", "--check", str(ok), str(refused)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 1
     assert f"{ok}: loads" in run.stdout and f"{refused}: refused" in run.stdout

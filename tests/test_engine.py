@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import CpuVecLayout

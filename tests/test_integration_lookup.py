@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
 from lmcache_vllm.integration.vllm.lookup import (
     LookupAnswer,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf

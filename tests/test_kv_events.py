@@ -3,7 +3,7 @@ token ids of each chunk; and their release to vLLM once every TP rank reported t
 import pytest
 import torch
 
-from lmcache_vllm import kv_events
+from lmcache_vllm.observability import kv_events
 from test_engine import CHUNK, make_caches, make_engine, slots_for
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lmcache_vllm.testing.kv_views import KVViewCase, all_cases, kv_views, refuses, vllm_kv_views
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, all_cases, kv_views, refuses, vllm_kv_views
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: nothing to compare the copy with")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmcache_vllm.testing.local_model import RECIPES, build_model
+from lmcache_vllm.integration.vllm.testing.local_model import RECIPES, build_model
 
 
 def _digest(path) -> str:

@@ -4,7 +4,7 @@ one warning while every failed call is counted."""
 import logging
 import time
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.config import load_config
 
 

@@ -1,4 +1,4 @@
-"""Tests for lmcache_vllm.metrics: the recorder's totals and deltas, gauges, scope across TP ranks, and
+"""Tests for lmcache_vllm.observability.metrics: the recorder's totals and deltas, gauges, scope across TP ranks, and
 the plain-dict helpers (merge across ranks and steps, flat names)."""
 import gc
 import json
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from lmcache_vllm import metrics
-from lmcache_vllm.metrics import METRICS, Recorder
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.observability.metrics import METRICS, Recorder
 
 
 def test_counters_histograms_and_flat_names():

@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from lmcache_vllm import metrics, metrics_doc
+from lmcache_vllm.observability import metrics, metrics_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_metric_names_kinds_labels_and_help_texts_are_stable():
 
 def test_readme_carries_the_generated_metric_table():
     section = metrics_doc.readme_section((ROOT / "README.md").read_text())
-    assert section == metrics_doc.markdown(), "run: python -m lmcache_vllm.metrics_doc --update-readme"
+    assert section == metrics_doc.markdown(), "run: python -m lmcache_vllm.observability.metrics_doc --update-readme"
 
 
 def test_grafana_dashboard_uses_only_metrics_that_exist():

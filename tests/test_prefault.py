@@ -1,10 +1,10 @@
-"""Tests for lmcache_vllm.prefault: the L1 arena is populated in the background without touching data."""
+"""Tests for lmcache_vllm.memory.prefault: the L1 arena is populated in the background without touching data."""
 
 import pytest
 import torch
 
 from lmcache_vllm.memory import HostAllocator
-from lmcache_vllm.prefault import ArenaPrefaulter
+from lmcache_vllm.memory.prefault import ArenaPrefaulter
 
 
 def test_populates_whole_arena_without_changing_its_bytes():
@@ -47,7 +47,7 @@ def test_sync_mode_populates_before_returning_and_bad_modes_are_named():
 
 def test_config_values_map_to_modes():
     from lmcache_vllm.config import ConfigError, LMCacheConfig
-    from lmcache_vllm.storage.tiers import build_allocator
+    from lmcache_vllm.storage.registry import build_allocator
 
     def mode(value):
         cfg = LMCacheConfig(max_local_cpu_size=1 / 1024, extra_config={"prefault_local_cpu": value})

@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.codec import CorruptEntry

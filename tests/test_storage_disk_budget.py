@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.disk_budget import USAGE_FILE, SharedDiskBudget
 from lmcache_vllm.storage.local_disk import SUFFIX, LocalDiskBackend, filename_for

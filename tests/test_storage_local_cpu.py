@@ -2,7 +2,7 @@
 
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 

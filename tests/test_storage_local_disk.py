@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec, local_disk
 from lmcache_vllm.storage.disk_budget import USAGE_FILE

@@ -12,13 +12,18 @@ import pytest
 import redis
 import torch
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec
+from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.storage.redis_backend import RedisBackend
 
 pytestmark = pytest.mark.redis
 CHUNK = (2, 2, 16, 64)
+
+
+def redis_config(url: str, **extra) -> LMCacheConfig:
+    return LMCacheConfig(remote_url=url, extra_config=extra)
 
 
 def key(i: int) -> str:
@@ -44,8 +49,8 @@ def obj_of(allocator, tensor):
 
 async def test_round_trip_batch_and_ttl(redis_server, redis_prefix, allocator, make_chunk):
     # more concurrent calls than pooled connections: they wait for a connection, none fails
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, ttl_secs=60, read_groups=2,
-                           max_connections=2)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_ttl_secs=60,
+                                        remote_read_groups=2, remote_max_connections=2))
     chunks = [make_chunk(i, CHUNK) for i in range(5)]
     srcs = [obj_of(allocator, t) for t in chunks]
     assert all(await asyncio.gather(*(backend.put(key(i), o) for i, o in enumerate(srcs))))
@@ -67,7 +72,7 @@ async def test_round_trip_batch_and_ttl(redis_server, redis_prefix, allocator, m
 
 
 async def test_garbage_value_is_a_miss_and_deleted(redis_server, redis_prefix, allocator, make_chunk):
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix))
     good = bytearray(codec.encode(key(1), make_chunk(1, CHUNK)))
     good[-3] ^= 0xFF  # a flipped payload bit
     assert await backend.put_bytes(key(1), bytes(good))
@@ -80,8 +85,8 @@ async def test_garbage_value_is_a_miss_and_deleted(redis_server, redis_prefix, a
 
 async def test_killed_server_gives_fast_misses_then_recovers(redis_server, redis_prefix, allocator,
                                                             make_chunk):
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=1.0,
-                           breaker_base_secs=0.2, breaker_max_secs=0.4)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_timeout_secs=1.0,
+                                        remote_breaker_max_secs=0.4), breaker_base_secs=0.2)
     src = obj_of(allocator, make_chunk(1, CHUNK))
     assert await backend.put(key(1), src)
     redis_server.kill()
@@ -111,7 +116,7 @@ async def test_killed_server_gives_fast_misses_then_recovers(redis_server, redis
 
 
 async def test_frozen_server_is_bounded_by_the_timeout(redis_server, redis_prefix, allocator):
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.5)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_timeout_secs=0.5))
     assert await backend.ping()
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
@@ -133,7 +138,7 @@ async def test_unix_socket_url(tmp_path, allocator, make_chunk):
         deadline = time.monotonic() + 10
         while not sock.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        backend = RedisBackend(f"unix://{sock}?db=1", prefix="u:")
+        backend = RedisBackend(redis_config(f"unix://{sock}?db=1", remote_key_prefix="u:"))
         src = obj_of(allocator, make_chunk(3, CHUNK))
         assert await backend.put(key(3), src)
         got = await backend.get(key(3), alloc_fn(allocator))
@@ -149,7 +154,8 @@ async def test_unix_socket_url(tmp_path, allocator, make_chunk):
 async def test_pipelined_batches_cancel_and_reuse(redis_server, redis_prefix, allocator, make_chunk):
     # 9 keys in MGETs of 2 on one connection: a miss and a corrupt value in later batches; a get
     # cancelled at any point leaks no memory and leaves no half-read connection in the pool
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, read_batch_keys=2, max_connections=1)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_read_batch_keys=2,
+                                        remote_max_connections=1))
     chunks = {i: make_chunk(i, (2, 2, 64, 128)) for i in range(9) if i != 5}  # 64 KiB each
     for i, t in chunks.items():
         src = obj_of(allocator, t)
@@ -189,8 +195,9 @@ async def test_pipelined_batches_cancel_and_reuse(redis_server, redis_prefix, al
 async def test_keyed_mac_values_of_another_writer_are_misses_and_deleted(redis_server, redis_prefix,
                                                                          allocator, make_chunk):
     mac = codec.ChunkMac("fleet secret")
-    signed = RedisBackend(redis_server.url, prefix=redis_prefix, mac=mac)
-    other = RedisBackend(redis_server.url, prefix=redis_prefix, mac=codec.ChunkMac("someone else's"))
+    signed = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix), mac=mac)
+    other = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix),
+                         mac=codec.ChunkMac("someone else's"))
     src = make_chunk(4, CHUNK)
     for backend, i in ((signed, 1), (other, 2)):
         obj = obj_of(allocator, src)
@@ -212,7 +219,7 @@ async def test_large_read_slower_than_the_timeout_is_not_a_dead_server(redis_ser
     allocator = HostAllocator(270 << 20)
     big = (4, 2, 256, 1024)  # 4 MiB of bf16 per chunk: 256 MiB in all, ~0.4-1 s over loopback
     chunks = [make_chunk(i, big) for i in range(64)]
-    writer = RedisBackend(redis_server.url, prefix=redis_prefix)
+    writer = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix))
     for i, t in enumerate(chunks):
         src = obj_of(allocator, t)
         assert await writer.put(key(i), src)
@@ -220,7 +227,8 @@ async def test_large_read_slower_than_the_timeout_is_not_a_dead_server(redis_ser
     await writer.close()
     # One MGET of all 64 chunks: 64 x 0.1 s = 6.4 s for a reply that takes ~0.4-1 s (room for a loaded
     # 2-core machine), while one chunk's 0.1 s is always exceeded.
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix, timeout_secs=0.1, read_batch_keys=64)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_timeout_secs=0.1,
+                                        remote_read_batch_keys=64))
     start = time.monotonic()
     got = await backend.get_many([key(i) for i in range(64)], alloc_fn(allocator))
     took = time.monotonic() - start
@@ -236,7 +244,7 @@ async def test_large_read_slower_than_the_timeout_is_not_a_dead_server(redis_ser
 
 async def test_put_of_a_key_already_in_redis_sends_no_value(redis_server, redis_prefix, allocator, make_chunk):
     raw = redis.Redis.from_url(redis_server.url)
-    backend = RedisBackend(redis_server.url, prefix=redis_prefix)
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix))
     src = obj_of(allocator, make_chunk(1, CHUNK))
     raw.config_resetstat()
     assert await backend.put(key(1), src)

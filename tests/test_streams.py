@@ -21,8 +21,8 @@ from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence, SideStream
 from lmcache_vllm.memory import HostAllocator
-from lmcache_vllm.pinned import PAGE, pinned_arena
-from lmcache_vllm.testing.kv_views import KVViewCase, kv_views
+from lmcache_vllm.memory.pinned import PAGE, pinned_arena
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, kv_views
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

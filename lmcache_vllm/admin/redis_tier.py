@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
-from lmcache_vllm.logs import safe_url
+from lmcache_vllm.observability.logs import safe_url
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.redis_backend import glob_escape
 from lmcache_vllm.tokens import CacheKey

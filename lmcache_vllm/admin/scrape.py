@@ -8,8 +8,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.admin.report import human_bytes, table
+from lmcache_vllm.storage.tier import TIER_NAMES
 
 _VLLM_LABELS = {"model_name", "engine"}
 
@@ -119,9 +120,9 @@ def format_summary(s: dict[str, Any]) -> str:
                     other.append((label, _fmt(name, v)))
     lines = []
     if per_tier:
-        rows = [(name, *(_fmt(name, per_tier[name][t]) if t in per_tier[name] else "-" for t in metrics.TIERS))
+        rows = [(name, *(_fmt(name, per_tier[name][t]) if t in per_tier[name] else "-" for t in TIER_NAMES))
                 for name in sorted(per_tier)]
-        lines += [table(("per tier", *metrics.TIERS), rows), ""]
+        lines += [table(("per tier", *TIER_NAMES), rows), ""]
     if other:
         lines += [table(("metric", "value"), sorted(other)), ""]
     if s["histograms"]:

@@ -1,12 +1,6 @@
-"""Tiered chunk storage: L1 host memory (`LocalCPUBackend`), L2 local disk (`LocalDiskBackend`), L3 Redis
-(`RedisBackend`) behind the synchronous `StorageManager`; `codec` is the byte format outside memory."""
+"""Tiered chunk storage behind the synchronous `manager.StorageManager`: L1 host memory (`local_cpu`),
+L2 local disk (`local_disk`), L3 Redis (`redis_backend`), built from the configuration by `registry`;
+`tier.Tier` names them, `codec` is the byte format of a chunk outside memory.
 
-from lmcache_vllm.storage.base import StorageBackend
-from lmcache_vllm.storage.codec import CorruptEntry
-from lmcache_vllm.storage.local_cpu import LocalCPUBackend
-from lmcache_vllm.storage.local_disk import LocalDiskBackend
-from lmcache_vllm.storage.manager import PrefetchHandle, StorageManager
-from lmcache_vllm.storage.redis_backend import RedisBackend
-
-__all__ = ["CorruptEntry", "LocalCPUBackend", "LocalDiskBackend", "PrefetchHandle", "RedisBackend",
-           "StorageBackend", "StorageManager"]
+Import the modules themselves: this package's face stays empty so that naming a tier (`storage.tier`)
+does not load the tiers (vLLM's API server imports the connector and must stay light)."""

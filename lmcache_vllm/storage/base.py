@@ -11,11 +11,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from lmcache_vllm.memory import MemoryObj
+
+if TYPE_CHECKING:
+    from lmcache_vllm.config import LMCacheConfig
+    from lmcache_vllm.storage.codec import ChunkMac
+from lmcache_vllm.storage.tier import Tier
 
 # alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
 AllocFn = Callable[[tuple, torch.dtype], Optional[MemoryObj]]
@@ -24,7 +29,15 @@ AllocFn = Callable[[tuple, torch.dtype], Optional[MemoryObj]]
 class StorageBackend(abc.ABC):
     """One storage tier. Defaults are no-ops so that a tier only implements what it supports."""
 
-    name: str = "backend"
+    name: Tier  # which kind of tier this is (metric labels, logs, lookup answers)
+
+    @classmethod
+    def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
+                    mac: Optional[ChunkMac] = None) -> Optional[StorageBackend]:
+        """The tier as `config` configures it, or None when the configuration does not enable it
+        (`registry.LOWER_TIERS` asks each lower tier). `key_filter(key)` says whether a chunk found in
+        shared storage belongs to this process; `mac` is the keyed MAC chunks carry outside memory."""
+        return None
 
     @abc.abstractmethod
     async def contains(self, keys: Sequence[str]) -> list[bool]:

@@ -15,7 +15,7 @@ import mmap
 import os
 from typing import Callable, Optional
 
-from lmcache_vllm import logs
+from lmcache_vllm.observability import logs
 from lmcache_vllm.storage import codec
 
 logger = logging.getLogger(__name__)

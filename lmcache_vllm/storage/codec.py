@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 
 MAGIC = b"LMCV"
 FORMAT_VERSION = 2

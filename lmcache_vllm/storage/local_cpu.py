@@ -14,13 +14,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from lmcache_vllm import kv_events, metrics
+from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.memory import AllocationError, HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import AllocFn, StorageBackend
+from lmcache_vllm.storage.tier import Tier
 
 
 class LocalCPUBackend(StorageBackend):
-    name = "local_cpu"
+    name = Tier.LOCAL_CPU
 
     def __init__(self, allocator: HostAllocator, *, keep_entries: bool = True):
         self.allocator = allocator
@@ -65,7 +66,7 @@ class LocalCPUBackend(StorageBackend):
             self._index[key] = obj
             self._key_of[id(obj)] = key
         obj.set_evictor(self._on_evict)
-        kv_events.stored(key, self.name)
+        kv_events.stored(key, self.name.medium)
         metrics.inc("stored_chunks", tier=self.name)
         metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         return True
@@ -78,7 +79,7 @@ class LocalCPUBackend(StorageBackend):
             self._key_of.pop(id(obj), None)
         obj.clear_evictor()
         obj.ref_down()
-        kv_events.removed(key, self.name)
+        kv_events.removed(key, self.name.medium)
         return True
 
     def clear_sync(self) -> None:
@@ -97,7 +98,7 @@ class LocalCPUBackend(StorageBackend):
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
         metrics.inc("evictions", tier=self.name)
-        kv_events.removed(key, self.name)
+        kv_events.removed(key, self.name.medium)
         obj.ref_down()
 
     # ---- StorageBackend ----------------------------------------------------------------------

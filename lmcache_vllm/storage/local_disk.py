@@ -40,11 +40,13 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
-from lmcache_vllm import kv_events, logs, metrics
+from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import chunk_file, codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
+from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,16 @@ def _key_from_filename(name: str) -> Optional[str]:
 
 
 class LocalDiskBackend(StorageBackend):
-    name = "local_disk"
+    name = Tier.LOCAL_DISK
+
+    @classmethod
+    def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
+                    mac: Optional[codec.ChunkMac] = None) -> Optional[LocalDiskBackend]:
+        if not config.local_disk:
+            return None
+        extra = config.extra_config
+        return cls(config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
+                   fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac)
 
     def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
                  fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
@@ -126,7 +137,7 @@ class LocalDiskBackend(StorageBackend):
             self._index[key] = (name, size)
             self._mine.add(key)
             self._used += size
-            kv_events.stored(key, self.name)
+            kv_events.stored(key, self.name.medium)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
         with self._budget.transaction() as usage:
             usage.used = sum(size for _, size in chunk_files_oldest_first(self.path, SUFFIX))
@@ -187,7 +198,7 @@ class LocalDiskBackend(StorageBackend):
                 self._index[key] = (name, item[3])
                 self._used += item[3]
                 metrics.inc("adopted_chunks", tier=self.name)
-                kv_events.stored(key, self.name)
+                kv_events.stored(key, self.name.medium)
             return self._index[key]
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -209,7 +220,7 @@ class LocalDiskBackend(StorageBackend):
                 self._budget.release(size)
             key = _key_from_filename(name)
             if key is not None:  # (a hashed name's key is in its header: no event)
-                kv_events.removed(key, self.name)
+                kv_events.removed(key, self.name.medium)
         return True
 
     def _drop_corrupt(self, name: str, size: int | None = None) -> None:
@@ -345,7 +356,7 @@ class LocalDiskBackend(StorageBackend):
                     self._index[key] = (name, size)
                     self._used += size
                     self._mine.add(key)
-                kv_events.stored(key, self.name)
+                kv_events.stored(key, self.name.medium)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
             else:

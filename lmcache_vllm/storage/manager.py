@@ -23,7 +23,7 @@ exception to the caller:
   and joins its thread and the backends' thread pools.
 
 Config: an `LMCacheConfig` (typed and defaulted; our own knobs are `config.extra_config`, declared in
-`config_extra.py`): the tier keys (see `tiers.py`), `blocking_timeout_secs` (get), `lookup_timeout_ms`
+`config/extra.py`): the tier keys (see `tiers.py`), `blocking_timeout_secs` (get), `lookup_timeout_ms`
 (contains_prefix), `extra_config.write_queue_depth`, `write_workers`, `close_drain_secs`,
 `prefetch_hold_secs`.
 """
@@ -40,14 +40,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.storage.base import Handoff, StorageBackend
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.reads import LowerTierReads
-from lmcache_vllm.storage.tiers import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.registry import build_allocator, build_lower_tiers
 from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)

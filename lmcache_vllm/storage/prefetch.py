@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage.base import release_objs
+from lmcache_vllm.storage.tier import Tier
 
 
 class PrefetchHolds:
@@ -107,7 +108,7 @@ class PrefetchHolds:
 @dataclass(frozen=True)
 class Located:
     """Where the chunks a prefetch asked for are: one tier name per chunk of the run found from the
-    first key ("local_cpu" for L1, then the lower tiers' names)."""
+    first key (`Tier.LOCAL_CPU` for L1, then the lower tiers' names)."""
 
     tiers: tuple
 
@@ -117,7 +118,7 @@ class Located:
 
 
 def _in_l1(n: int) -> Located:
-    return Located(("local_cpu",) * n)
+    return Located((Tier.LOCAL_CPU,) * n)
 
 
 class PrefetchHandle:

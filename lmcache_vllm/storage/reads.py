@@ -11,10 +11,11 @@ import logging
 import time
 from typing import Optional, Sequence
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.prefetch import Located, PrefetchHandle
+from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class LowerTierReads:
             metrics.inc("storage_timeouts", op="lookup")
             where = [None] * len(keys)
         n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        handle.set_located(Located(("local_cpu",) * ready + tuple(where[i].name for i in range(n))))
+        handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
         if n == 0:
             return 0
         objs = await self._fetch(keys[:n], where[:n])

@@ -9,11 +9,11 @@
   Existence checks are one pipeline of EXISTS.
 - Writes: the value is encoded (copy + checksum) on the codec thread, never on the event loop; a key
   already present is not written again (one EXISTS first: a shared pool often has it already).
-- Every call has a timeout, scaled by what it moves: `timeout_secs` per chunk, so one MGET reply of 8
+- Every call has a timeout, scaled by what it moves: `remote_timeout_secs` per chunk, so one MGET reply of 8
   chunks may take 8 times as long as a single chunk's, and a large legitimate read is never taken for a
   dead server. A connection error or timeout opens a circuit breaker: calls return misses at once (puts
   are dropped and counted) until a retry time that doubles after each failed retry, up to
-  `breaker_max_secs`. The first call after that time is the probe; success closes the breaker.
+  `remote_breaker_max_secs`. The first call after that time is the probe; success closes the breaker.
 - Bytes that do not decode as a chunk for the key asked for are a miss; the Redis key is deleted.
 """
 
@@ -23,17 +23,19 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from lmcache_vllm import kv_events, logs, metrics
+from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -52,25 +54,36 @@ def glob_escape(s: str) -> str:
 
 
 class RedisBackend(StorageBackend):
-    name = "redis"
+    name = Tier.REDIS
 
-    def __init__(self, url: str, *, prefix: str = "lmcache_vllm:", ttl_secs: Optional[float] = None,
-                 timeout_secs: float = 2.0, max_connections: int = 16, read_groups: int = 1,
-                 read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0,
-                 mac: Optional[codec.ChunkMac] = None):
+    @classmethod
+    def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
+                    mac: Optional[codec.ChunkMac] = None) -> Optional[RedisBackend]:
+        return cls(config, mac=mac) if config.remote_url else None
+
+    def __init__(self, config: LMCacheConfig, *, mac: Optional[codec.ChunkMac] = None,
+                 breaker_base_secs: float = 0.5):
+        """The Redis named by `config.remote_url`, with the `extra_config.remote_*` settings; `mac`: the
+        keyed MAC of every chunk written and required of every chunk read; `breaker_base_secs`: the
+        first pause after a failure (it doubles up to `remote_breaker_max_secs`)."""
+        extra = config.extra_config
+        if not config.remote_url:
+            raise ValueError("RedisBackend needs remote_url")
+        url = config.remote_url
         self.url = url
-        self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
-        self.prefix = prefix
-        self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
-        self.timeout = float(timeout_secs)
-        self.read_groups = max(1, int(read_groups))
-        self.read_batch_keys = max(1, int(read_batch_keys))
+        self.mac = mac
+        self.prefix = extra.remote_key_prefix
+        self.ttl_ms = int(extra.remote_ttl_secs * 1000) if extra.remote_ttl_secs else None
+        self.timeout = extra.remote_timeout_secs
+        self.read_groups = extra.remote_read_groups
+        self.read_batch_keys = extra.remote_read_batch_keys
+        max_connections = extra.remote_max_connections
         # One thread each: decoding and encoding (memmove + xxh3, both without the GIL) overlap the
         # loop's socket I/O instead of stalling it.
         self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode")
         self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-encode")
         self.breaker_base = float(breaker_base_secs)
-        self.breaker_max = float(breaker_max_secs)
+        self.breaker_max = extra.remote_breaker_max_secs
         self._failures = 0
         self._retry_at: Optional[float] = None  # breaker open until then (None: closed)
         self._probing = False
@@ -113,7 +126,7 @@ class RedisBackend(StorageBackend):
         self._probing = False
 
     async def _call(self, make_coro, default=None, *, read: bool = False, chunks: int = 1):
-        """Runs `make_coro()` under the breaker and a timeout of `timeout_secs` per chunk it moves
+        """Runs `make_coro()` under the breaker and a timeout of `remote_timeout_secs` per chunk it moves
         (`chunks=0`: the coroutine bounds its own waits); returns `default` on any failure. A failed
         or skipped read counts in `failed_reads` (a refused write is counted by `put`)."""
         if not self._may_call():
@@ -183,7 +196,7 @@ class RedisBackend(StorageBackend):
                 out.append(obj)
         for key in corrupt:
             await self._call(lambda: self._client.delete(self._rkey(key)))
-            kv_events.removed(key, self.name)
+            kv_events.removed(key, self.name.medium)
         return out
 
     async def _read_group(self, keys: Sequence[str], alloc: AllocFn) -> list:
@@ -250,7 +263,7 @@ class RedisBackend(StorageBackend):
         ok = await self._call(lambda: self._client.set(self._rkey(key), value, px=self.ttl_ms),
                               default=False)
         if ok:
-            kv_events.stored(key, self.name)
+            kv_events.stored(key, self.name.medium)
             metrics.inc("stored_chunks", tier=self.name)
             metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         else:
@@ -263,7 +276,7 @@ class RedisBackend(StorageBackend):
 
     async def remove(self, key: str) -> None:
         if await self._call(lambda: self._client.delete(self._rkey(key))):
-            kv_events.removed(key, self.name)
+            kv_events.removed(key, self.name.medium)
 
     async def clear(self) -> bool:
         async def run():
@@ -280,7 +293,7 @@ class RedisBackend(StorageBackend):
         if rkeys:
             await self._client.unlink(*rkeys)
             for rkey in rkeys:
-                kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name)
+                kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name.medium)
             rkeys.clear()
 
     async def ping(self) -> bool:

@@ -7,6 +7,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     pytest.importorskip("vllm")
-    from lmcache_vllm.testing.local_model import build_model
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     return str(build_model("tiny"))

@@ -4,7 +4,7 @@ and compare greedy tokens like with like.
 Every vLLM run here uses the same thread binding (`VLLM_CPU_OMP_THREADS_BIND=0`, one compute thread):
 with a connector configured vLLM reserves a core and would otherwise run with a different thread count
 than the reference, which changes greedy tokens for reasons unrelated to the cache. Every token comparison
-goes through `lmcache_vllm.testing.reference` (re-exported here): the reference of a cached run is vLLM's
+goes through `lmcache_vllm.integration.vllm.testing.reference` (re-exported here): the reference of a cached run is vLLM's
 own prefix cache serving the same split.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmcache_vllm.testing.vllm_jobs import (CONNECTOR, REPO_ROOT, connector_config, random_tokens,  # noqa: F401
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import (CONNECTOR, REPO_ROOT, connector_config, random_tokens,  # noqa: F401
                                             run_job, vllm_env)
-from lmcache_vllm.testing.vllm_jobs import phase_results as phase  # noqa: F401
-from lmcache_vllm.testing.reference import (assert_like_with_like, hit_splits_agree,  # noqa: F401
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import phase_results as phase  # noqa: F401
+from lmcache_vllm.integration.vllm.testing.reference import (assert_like_with_like, hit_splits_agree,  # noqa: F401
                                             reference_job, replay)
 
 CHUNK = 256  # chunk_size of every connector config in the e2e tests

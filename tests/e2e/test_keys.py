@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import e2e_harness as h
-from lmcache_vllm.testing.local_lora import build_lora
-from lmcache_vllm.testing.openai_server import cached_tokens, post, serve
+from lmcache_vllm.integration.vllm.testing.local_lora import build_lora
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, serve
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ A few vLLM processes are shared by many checks (each start costs ~15 s):
 - `coexist`: vLLM's own prefix cache on, together with the connector.
 - `reference` / `reference_chunked`: no connector, vLLM's own prefix cache on, replaying those runs' phases
   with the same scheduler settings: every request is compared with the reference request computed with
-  the same prefill split (`lmcache_vllm.testing.reference`), bit for bit.
+  the same prefill split (`lmcache_vllm.integration.vllm.testing.reference`), bit for bit.
 vLLM's prefix caching is off in the connector runs except `coexist`, so every hit counted is ours.
 
 Prompt lengths are chosen so that vLLM's prefix cache (128-token blocks, last token always computed)

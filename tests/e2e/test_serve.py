@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 import e2e_harness as h
-from lmcache_vllm.testing.openai_server import launcher as _launcher
-from lmcache_vllm.testing.openai_server import post as _post
-from lmcache_vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
+from lmcache_vllm.integration.vllm.testing.openai_server import launcher as _launcher
+from lmcache_vllm.integration.vllm.testing.openai_server import post as _post
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 import e2e_harness as h
-from lmcache_vllm.testing import openai_server as serving
+from lmcache_vllm.integration.vllm.testing import openai_server as serving
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

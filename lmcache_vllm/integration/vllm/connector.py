@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from lmcache_vllm import kv_events, logs, metrics
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
@@ -37,6 +37,7 @@ from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailure
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
+from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
-_HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK,
-                "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
+_HIT_SOURCES = {Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
+                Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
@@ -65,7 +66,7 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.storage.codec import FORMAT_VERSION
-    from lmcache_vllm.storage.tiers import chunk_mac
+    from lmcache_vllm.storage.registry import chunk_mac
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
     caches = list(kv_caches.values())

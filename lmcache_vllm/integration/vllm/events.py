@@ -1,4 +1,4 @@
-"""Our KV cache events (`lmcache_vllm.kv_events`) through vLLM's KV event publisher, for cache-aware routers.
+"""Our KV cache events (`lmcache_vllm.observability.kv_events`) through vLLM's KV event publisher, for cache-aware routers.
 
 Each worker's connector hands vLLM the events of its process every step (`take_worker_events`); vLLM
 gathers the workers' containers into the scheduler's `update_connector_output`, and its `take_events`
@@ -21,7 +21,7 @@ from vllm.distributed.kv_events import (
     KVEventAggregator,
 )
 
-from lmcache_vllm import kv_events
+from lmcache_vllm.observability import kv_events
 
 MAX_WAITING = 100_000
 

@@ -15,7 +15,7 @@ first 16 bytes (hex) of sha256 over the canonical JSON of ("model-fingerprint/v1
   cannot see a change of weights that keeps every file's size and leaves all sampled blocks alone
   (e.g. a few tensors fine-tuned in place) — set `extra_config.cache_namespace` then;
 - `extra_config.cache_namespace`, the user's name for whatever else we cannot see;
-- the id of the chunk MAC secret, when one is set (`storage.tiers.chunk_mac`): servers with another
+- the id of the chunk MAC secret, when one is set (`storage.registry.chunk_mac`): servers with another
   secret (or none) never look up, and so never delete as unauthenticated, each other's chunks.
 The readable name is the HF `model_type` ("llama"), prefixed by the namespace when one is set.
 """

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LoadSpec
 

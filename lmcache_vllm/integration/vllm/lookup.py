@@ -17,7 +17,7 @@ took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
 Wire format (no pickle): lookup request = [seq: u64 LE, request id: UTF-8, start: u64 LE, token ids:
 int64 LE array, extra keys: `ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq, end of the hit
 tokens: i64 LE, start: i64 LE, pending: u8, then one byte per chunk of the hit from start: its tier's
-index in `metrics.TIERS`]; command request = [seq, b"cmd", name], reply = [seq, i64 LE result]. A rank
+index in `storage.tier.TIER_NAMES`]; command request = [seq, b"cmd", name], reply = [seq, i64 LE result]. A rank
 that does not answer within the timeout counts as 0 hits (a failed command), never an error.
 
 The answer (`LookupAnswer`) says which tier holds each chunk of the hit (whether the load needs a slower
@@ -47,8 +47,9 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import zmq
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.extra_keys import MAX_EXTRA_BYTES, NO_EXTRA_KEYS, ExtraKeys
+from lmcache_vllm.storage.tier import TIER_NAMES, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +134,16 @@ class LookupAnswer(NamedTuple):
     @property
     def in_l1(self) -> bool:
         """Every chunk of the hit is in host memory: loading it is a copy, no tier read waits."""
-        return all(t == "local_cpu" for t in self.chunk_tiers)
+        return all(t == Tier.LOCAL_CPU for t in self.chunk_tiers)
 
     def encode(self) -> bytes:
-        codes = bytes(metrics.TIERS.index(t) if t in metrics.TIERS else _UNKNOWN_TIER for t in self.chunk_tiers)
+        codes = bytes(TIER_NAMES.index(t) if t in TIER_NAMES else _UNKNOWN_TIER for t in self.chunk_tiers)
         return _ANSWER.pack(self.hit_tokens, self.start, int(self.pending)) + codes
 
     @classmethod
     def decode(cls, payload: bytes) -> "LookupAnswer":
         hit, start, pending = _ANSWER.unpack_from(payload)
-        tiers = tuple(metrics.TIERS[c] if c < len(metrics.TIERS) else "" for c in payload[_ANSWER.size:])
+        tiers = tuple(TIER_NAMES[c] if c < len(TIER_NAMES) else "" for c in payload[_ANSWER.size:])
         return cls(hit, tiers, start, bool(pending))
 
     @classmethod
@@ -156,7 +157,7 @@ class LookupAnswer(NamedTuple):
         if hit <= start:
             return cls(0, start=start)
         n = min(len(a.chunk_tiers) for a in answers)
-        order = {t: i for i, t in enumerate(metrics.TIERS)}
+        order = {t: i for i, t in enumerate(TIER_NAMES)}
         tiers = tuple(max((a.chunk_tiers[i] for a in answers), key=lambda t: order.get(t, len(order)))
                       for i in range(n))
         return cls(hit, tiers, start)

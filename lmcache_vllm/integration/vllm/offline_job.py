@@ -26,7 +26,7 @@ from typing import Any
 
 def _connector_stats() -> dict[str, Any]:
     """This process's metrics, after the background saves handed out so far have finished."""
-    from lmcache_vllm import metrics
+    from lmcache_vllm.observability import metrics
 
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

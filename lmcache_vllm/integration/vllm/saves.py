@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)

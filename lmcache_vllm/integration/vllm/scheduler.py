@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec

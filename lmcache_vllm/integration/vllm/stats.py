@@ -1,7 +1,7 @@
 """Our metrics through vLLM's connector-stats hooks: `vllm serve`'s `/metrics` and its periodic log line.
 
 vLLM asks every worker's connector, and the scheduler's, for `get_kv_connector_stats()` once per step;
-each answers `take_stats()`: what `lmcache_vllm.metrics` recorded in its process since it last asked.
+each answers `take_stats()`: what `lmcache_vllm.observability.metrics` recorded in its process since it last asked.
 vLLM combines the answers of all TP ranks and the scheduler with `LMCacheConnectorStats.aggregate`,
 sends the plain dict to its API-server process, and there
 - `LMCachePromMetrics.observe` turns it into the `lmcache_vllm:*` Prometheus metrics, one per entry of
@@ -12,7 +12,7 @@ and combines them (sum / max) as the metric table says. Counts a background save
 last step reach vLLM with the next step.
 
 The API server imports this module to build the metrics: it needs vLLM's metrics base classes and
-`lmcache_vllm.metrics` only (no torch, no GPU).
+`lmcache_vllm.observability.metrics` only (no torch, no GPU).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from lmcache_vllm import metrics
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.tier import TIER_NAMES
 
 # The short summary in vLLM's periodic log line: these counters over the interval (all labels summed).
 _SUMMARY_COUNTERS = ("hit_tokens", "loaded_tokens", "stored_tokens", "failed_load_tokens")
@@ -54,7 +55,7 @@ class LMCacheConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {}
         for name in _SUMMARY_COUNTERS:
             out[name] = int(sum(v for k, v in flat.items() if k.split(".")[0] == name))
-        for tier in metrics.TIERS:
+        for tier in TIER_NAMES:
             out[f"{tier}_hit_chunks"] = int(flat.get(f"chunk_hits.{tier}", 0))
         for name in ("load_seconds", "store_seconds", "lookup_seconds"):
             count = flat.get(f"{name}.count", 0)

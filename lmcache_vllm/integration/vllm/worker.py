@@ -35,7 +35,7 @@ from typing import Callable, Generator
 
 import torch
 
-from lmcache_vllm import logs, metrics
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, RequestLoads
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery, LookupServer
 from lmcache_vllm.integration.vllm.metadata import (
@@ -45,7 +45,7 @@ from lmcache_vllm.integration.vllm.metadata import (
     slot_mapping_for,
 )
 from lmcache_vllm.integration.vllm.saves import SaveQueue
-from lmcache_vllm.threads import single_threaded_torch
+from lmcache_vllm.integration.vllm.threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 

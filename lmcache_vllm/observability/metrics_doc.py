@@ -1,7 +1,7 @@
 """The README's metric table, generated from `metrics.METRICS` so that it cannot drift from the code.
 
-    python -m lmcache_vllm.metrics_doc              # print the table
-    python -m lmcache_vllm.metrics_doc --update-readme
+    python -m lmcache_vllm.observability.metrics_doc              # print the table
+    python -m lmcache_vllm.observability.metrics_doc --update-readme
 """
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from lmcache_vllm import config_doc
-from lmcache_vllm.metrics import METRIC_LIST, PREFIX, MetricDef
+from lmcache_vllm.config import doc as config_doc
+from lmcache_vllm.observability.metrics import METRIC_LIST, PREFIX, MetricDef
 
 BEGIN = "<!-- BEGIN generated metrics -->"
 END = "<!-- END generated metrics -->"
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+README = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "README.md")
 
 
 def exposed_name(d: MetricDef) -> str:

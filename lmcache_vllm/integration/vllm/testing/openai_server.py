@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from lmcache_vllm.testing.vllm_jobs import REPO_ROOT
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import REPO_ROOT
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 _MAX_RPC_DIR_LEN = 60  # + "/" + a 36-character uuid stays well inside a Unix socket path
 
 CONNECTOR = {

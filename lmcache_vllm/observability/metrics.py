@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 PREFIX = "lmcache_vllm:"
-TIERS = ("local_cpu", "local_disk", "redis")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_PENDING_OBSERVATIONS = 4096  # per series between two take()s; more are counted in totals only
 
@@ -161,7 +160,7 @@ def _label_key(d: MetricDef, labels: dict) -> str:
 def _definition(name: str, kind: str) -> MetricDef:
     d = METRICS.get(name)
     if d is None:
-        raise KeyError(f"unknown metric {name!r}: declare it in lmcache_vllm/metrics.py")
+        raise KeyError(f"unknown metric {name!r}: declare it in lmcache_vllm/observability/metrics.py")
     if d.kind != kind:
         raise TypeError(f"metric {name!r} is a {d.kind}, not a {kind}")
     return d

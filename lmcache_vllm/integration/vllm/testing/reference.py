@@ -84,7 +84,7 @@ def assert_like_with_like(ours: dict[str, Any], *candidates: dict[str, Any], wha
         raise AssertionError(
             f"{label}no like-with-like reference: this run had {ours['num_cached_tokens']} prompt tokens cached, "
             f"the references {splits}. Tokens are only comparable between runs with the same prefill split "
-            f"(see lmcache_vllm/testing/reference.py).")
+            f"(see lmcache_vllm/integration/vllm/testing/reference.py).")
     if ours["tokens"] != match["tokens"]:
         raise AssertionError(f"{label}greedy tokens differ from vLLM's at the same split "
                              f"({ours['num_cached_tokens']} tokens cached): {ours['tokens']} != {match['tokens']}")

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from lmcache_vllm.config_schema import MISSING, Origin, Problem
+from lmcache_vllm.config.fields import MISSING, Origin, Problem
 
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"

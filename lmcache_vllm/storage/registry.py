@@ -1,10 +1,10 @@
-"""Builds the configured tiers: the L1 arena and the lower tiers (L2 local disk, L3 Redis) in config order.
+"""Builds the configured tiers from an `LMCacheConfig`: the L1 arena, and the lower tiers in
+`LOWER_TIERS` order (L2 local disk, then L3 Redis). A new tier is one module with a `StorageBackend`
+subclass whose `from_config` says whether the configuration enables it, plus one line in `LOWER_TIERS`.
 
-Everything comes typed and defaulted from an `LMCacheConfig`: the LMCache keys (`max_local_cpu_size`,
-`local_disk`, `max_local_disk_size`, `remote_url`) and our own knobs in `config.extra_config`
-(`config_extra.ExtraConfig`). `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks:
-`extra_config.chunk_mac_key`, else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred:
-vLLM logs its kv_connector_extra_config at start-up).
+`chunk_mac` resolves the optional MAC secret of the lower tiers' chunks: `extra_config.chunk_mac_key`,
+else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred: vLLM logs its
+kv_connector_extra_config at start-up).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from lmcache_vllm.storage.redis_backend import RedisBackend
 
 GB = 1 << 30
 MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
+
+# The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled.
+LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, RedisBackend)
 
 
 def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:
@@ -41,22 +44,15 @@ def build_allocator(config: LMCacheConfig) -> HostAllocator:
 
 def build_lower_tiers(config: LMCacheConfig,
                       key_filter: Optional[Callable[[str], bool]] = None) -> list[StorageBackend]:
-    """The disk and Redis backends the config enables, slowest last. A backend that fails to start closes
-    the ones already built before the error propagates (nothing is left open)."""
-    extra = config.extra_config
+    """The lower tiers the config enables, slowest last. A backend that fails to start closes the ones
+    already built before the error propagates (nothing is left open)."""
     mac = chunk_mac(config)
     tiers: list[StorageBackend] = []
     try:
-        if config.local_disk:
-            tiers.append(LocalDiskBackend(
-                config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac))
-        if config.remote_url:
-            tiers.append(RedisBackend(
-                config.remote_url, prefix=extra.remote_key_prefix, ttl_secs=extra.remote_ttl_secs,
-                timeout_secs=extra.remote_timeout_secs, max_connections=extra.remote_max_connections,
-                read_groups=extra.remote_read_groups, read_batch_keys=extra.remote_read_batch_keys,
-                breaker_max_secs=extra.remote_breaker_max_secs, mac=mac))
+        for backend_type in LOWER_TIERS:
+            tier = backend_type.from_config(config, key_filter=key_filter, mac=mac)
+            if tier is not None:
+                tiers.append(tier)
     except BaseException:
         for tier in tiers:
             asyncio.run(tier.close())

@@ -12,7 +12,7 @@ import os
 from typing import Any, Optional
 from urllib.parse import quote, urlsplit
 
-from lmcache_vllm.config_lmcache import (CACHE_POLICIES, HASH_NAMES, MAPPED, REMOTE_SCHEME_DEFAULT,
+from lmcache_vllm.config.lmcache import (CACHE_POLICIES, HASH_NAMES, MAPPED, REMOTE_SCHEME_DEFAULT,
                                          REMOTE_SCHEMES, REMOTE_SERDE)
 
 SUPPORTED_REMOTE_SCHEMES = ("redis", "rediss", "unix")

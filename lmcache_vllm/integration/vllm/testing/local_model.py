@@ -4,7 +4,7 @@ Tests, examples and benchmarks need a model vLLM can load; none can be downloade
 writes a randomly initialised (fixed seed) Llama in bf16 plus a tokenizer trained on the Python
 standard library's source files, into a directory keyed by the recipe, and reuses it on later calls.
 
-    python -m lmcache_vllm.testing.local_model --out DIR [--size tiny|medium]
+    python -m lmcache_vllm.integration.vllm.testing.local_model --out DIR [--size tiny|medium]
 """
 from __future__ import annotations
 

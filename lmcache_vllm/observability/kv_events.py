@@ -1,9 +1,9 @@
 """KV cache events of this process for cache-aware routers: which chunks each tier gained or lost.
 
 Off unless `enable_kv_events` (then `RECORDER.enabled` is set by the connector); every call below returns
-at once while off. The tiers report by key string: `stored(key, tier)` when a chunk lands in a tier
+at once while off. The tiers report by key string: `stored(key, medium)` when a chunk lands in a tier
 (L1 store or promotion, a disk file written, adopted or re-indexed at start-up, a Redis SET) and
-`removed(key, tier)` when it leaves (eviction, a corrupt entry deleted, a reset). The engine tells
+`removed(key, medium)` when it leaves (eviction, a corrupt entry deleted, a reset). The engine tells
 `note_chunk` the parent digest and token ids of each chunk it stores or loads, so an event carries them
 (a router computes its own block hashes from token ids); a chunk it never saw in this process (found on
 disk at start-up) has none.
@@ -20,7 +20,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-MEDIUMS = {"local_cpu": "cpu", "local_disk": "disk", "redis": "redis"}
 MAX_PENDING = 100_000
 MAX_NOTED_CHUNKS = 8192  # parent/token ids of recently stored or loaded chunks (~16 MiB at 256 tokens)
 
@@ -52,22 +51,21 @@ class EventRecorder:
             while len(self._noted) > MAX_NOTED_CHUNKS:
                 self._noted.popitem(last=False)
 
-    def stored(self, key: str, tier: str) -> None:
+    def stored(self, key: str, medium: str) -> None:
         if self.enabled:
-            self._add(key, tier, True)
+            self._add(key, medium, True)
 
-    def removed(self, key: str, tier: str) -> None:
+    def removed(self, key: str, medium: str) -> None:
         if self.enabled:
-            self._add(key, tier, False)
+            self._add(key, medium, False)
 
-    def _add(self, key: str, tier: str, stored: bool) -> None:
+    def _add(self, key: str, medium: str, stored: bool) -> None:
         from lmcache_vllm.tokens import CacheKey
 
         try:
             digest = CacheKey.from_str(key).digest
         except ValueError:
             return  # not a chunk key (tests, tools)
-        medium = MEDIUMS.get(tier, tier)
         with self._lock:
             parent, tokens = self._noted.get(digest, (None, ())) if stored else (None, ())
             self._pending.append(ChunkEvent(stored, digest, medium, parent, tokens))
@@ -95,9 +93,9 @@ def note_chunk(digest: bytes, parent: bytes | None, token_ids: Sequence[int]) ->
     RECORDER.note_chunk(digest, parent, token_ids)
 
 
-def stored(key: str, tier: str) -> None:
-    RECORDER.stored(key, tier)
+def stored(key: str, medium: str) -> None:
+    RECORDER.stored(key, medium)
 
 
-def removed(key: str, tier: str) -> None:
-    RECORDER.removed(key, tier)
+def removed(key: str, medium: str) -> None:
+    RECORDER.removed(key, medium)

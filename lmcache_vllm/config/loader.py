@@ -1,20 +1,19 @@
-"""`LMCacheConfig`: lmcache-vllm's configuration, one validated dataclass with LMCache's key names, and
-`load_config` to build it from every source.
+"""`load_config` / `inspect_config`: builds the `LMCacheConfig` (schema.py) from every source.
 
-Sources, later wins: the defaults declared here < the YAML file named by `LMCACHE_CONFIG_FILE` <
+Sources, later wins: the defaults declared in the schema < the YAML file named by `LMCACHE_CONFIG_FILE` <
 `LMCACHE_<KEY>` environment variables < `overrides` (vLLM's `kv_connector_extra_config`). `extra_config`
-merges key by key across sources; its keys are declared in `config_extra.ExtraConfig`. Strings from any
-source are parsed to the key's type the same way (`config_schema.parse_value`: booleans true/false,
+merges key by key across sources; its keys are declared in `extra.ExtraConfig`. Strings from any
+source are parsed to the key's type the same way (`fields.parse_value`: booleans true/false,
 1/0, yes/no, on/off; null/none/"" for optional keys; JSON for mappings); string values are never stripped.
 
 Everything wrong with the configuration, from every source, is collected and raised as ONE `ConfigError`
 that names each key, its value, where it came from (file and line, environment variable, or
 kv_connector_extra_config) and what is accepted. An unknown key gets a "did you mean" only for a likely
 typo of a known key of the same type. LMCache keys that lmcache-vllm does not take as they are (no-ops,
-keys mapped to ours, features we lack) are listed with the reason for each in `config_lmcache.py`; a
+keys mapped to ours, features we lack) are listed with the reason for each in `lmcache.py`; a
 feature we lack is accepted at LMCache's default (off), so LMCache YAML files keep working. Unknown
 `LMCACHE_*` environment variables are warnings (errors with `extra_config.strict_env`); our own
-non-configuration variables are declared in `config_sources.OWN_ENV_VARS`. `inspect_config` returns the
+non-configuration variables are declared in `sources.OWN_ENV_VARS`. `inspect_config` returns the
 problems and warnings instead of raising and logging them.
 """
 
@@ -26,100 +25,18 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-from lmcache_vllm.config_extra import ExtraConfig
-from lmcache_vllm.config_lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
+from lmcache_vllm.config.extra import ExtraConfig
+from lmcache_vllm.config.lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
                                          LMCACHE_EXTRA_PREFIXES, LMCACHE_KEYS, MAPPED, MOONCAKE_KEYS, NOOP,
                                          KeyRule)
-from lmcache_vllm.config_schema import (ConfigError, Origin, Problem, at_least, check_setting,
-                                        did_you_mean, field_types, greater_than, masked, normalize_fields,
-                                        parse_setting, parse_value, raise_if_any, setting, size_gib)
-from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, OVERRIDES_SOURCE, Entry, code_entries,
+from lmcache_vllm.config.fields import (ConfigError, Origin, Problem, check_setting, did_you_mean, field_types,
+                                        parse_setting, parse_value, raise_if_any)
+from lmcache_vllm.config.sources import (CONFIG_FILE_ENV, ENV_PREFIX, OVERRIDES_SOURCE, Entry, code_entries,
                                          env_entries, read_yaml)
-from lmcache_vllm.config_values import (normalize_local_disk, remote_url_problem, translate_lmcache_value,
-                                        with_credentials)
-
-__all__ = ["ConfigError", "ExtraConfig", "LMCacheConfig", "load_config", "inspect_config", "CONFIG_FILE_ENV",
-           "ENV_PREFIX"]
+from lmcache_vllm.config.schema import LMCacheConfig
+from lmcache_vllm.config.values import translate_lmcache_value, with_credentials
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # tokens.py implements these
-GiB = 1 << 30
-
-
-@dataclass
-class LMCacheConfig:
-    """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
-
-    chunk_size: int = setting(
-        256, "tokens per stored chunk (any value; independent of vLLM's block size)",
-        check=at_least(1, "an integer"))
-    local_cpu: bool = setting(True, "L1 host-memory tier (false: the arena only stages transfers)")
-    max_local_cpu_size: float = setting(
-        5.0, "GiB of host memory for L1, reserved at start-up; pages are backed on first write "
-             "(see extra_config.prefault_local_cpu)", check=size_gib)
-    local_disk: Optional[str] = setting(
-        None, "L2 directory: /path, file:///path or a path relative to the working directory; null or "
-              "false: no disk tier", value_aliases={False: None})
-    max_local_disk_size: float = setting(0.0, "GiB cap of L2 (> 0 when local_disk is set)", check=size_gib)
-    remote_url: Optional[str] = setting(
-        None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., unix:///path/to/redis.sock; "
-              "null: no L3")
-    remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
-                                choices=("naive",), value_aliases={None: "naive"})
-    save_unfull_chunk: bool = setting(
-        False, "also store the trailing partial chunk: an exact repeat then loads all but its last token "
-               "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
-    save_decode_cache: bool = setting(False, "also store KV produced while decoding")
-    use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
-    enable_async_loading: bool = setting(
-        True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
-              "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
-              "default is false")
-    cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
-    blocking_timeout_secs: float = setting(
-        10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",
-        check=greater_than(0, "seconds"))
-    lookup_timeout_ms: int = setting(3000, "upper bound of a scheduler lookup; past it: a miss",
-                                     check=at_least(1, "milliseconds"))
-    pre_caching_hash_algorithm: str = setting(
-        "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
-        choices=SUPPORTED_HASH_ALGORITHMS)
-    enable_kv_events: bool = setting(
-        False, "KV cache events (BlockStored / BlockRemoved per chunk, medium cpu / disk / redis) through "
-               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on)")
-    extra_config: ExtraConfig = setting(
-        meaning="lmcache-vllm's own settings (next table; config_extra.py); merged key by key across sources",
-        default_factory=ExtraConfig)
-
-    def __post_init__(self):
-        problems = normalize_fields(self, skip=("extra_config",))
-        if not isinstance(self.extra_config, ExtraConfig):
-            self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
-        problems += _check_together(self)
-        raise_if_any(problems)
-
-    @property
-    def max_local_cpu_bytes(self) -> int:
-        return int(self.max_local_cpu_size * GiB)
-
-    @property
-    def max_local_disk_bytes(self) -> int:
-        return int(self.max_local_disk_size * GiB)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def summary(self) -> str:
-        """One line with every top-level key and the extra_config keys that differ from their default
-        (for the start-up log; a password in remote_url is masked)."""
-        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
-                 if f.name != "extra_config"]
-        defaults = ExtraConfig()
-        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
-                   if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
-        return ", ".join(parts + [f"extra_config={changed!r}"])
-
 
 TOP_FIELDS = {f.name: f for f in dataclasses.fields(LMCacheConfig)}
 TOP_TYPES = field_types(LMCacheConfig)
@@ -128,27 +45,8 @@ EXTRA_TYPES = field_types(ExtraConfig)
 _TOP_CANDIDATES = {**{k: r.lmcache_type for k, r in LMCACHE_KEYS.items()}, **TOP_TYPES}
 _EXTRA_CANDIDATES = {**{k: r.lmcache_type for k, r in LMCACHE_EXTRA_KEYS.items()}, **EXTRA_TYPES}
 _both = (set(TOP_FIELDS) & set(LMCACHE_KEYS)) | (set(EXTRA_FIELDS) & set(LMCACHE_EXTRA_KEYS))
-if _both:  # a key we implement must have left config_lmcache's tables
-    raise RuntimeError(f"keys both implemented and listed in config_lmcache.py: {sorted(_both)}")
-
-
-def _check_together(cfg: LMCacheConfig) -> list[Problem]:
-    problems: list[Problem] = []
-    if cfg.local_cpu and cfg.max_local_cpu_bytes <= 0:
-        problems.append(Problem("max_local_cpu_size", cfg.max_local_cpu_size,
-                                "expected a size > 0 while local_cpu is true"))
-    if cfg.local_disk is not None:
-        cfg.local_disk, message = normalize_local_disk(cfg.local_disk)
-        if message:
-            problems.append(Problem("local_disk", cfg.local_disk, message))
-        elif cfg.max_local_disk_bytes <= 0:
-            problems.append(Problem("max_local_disk_size", cfg.max_local_disk_size,
-                                    "expected a size > 0 when local_disk is set"))
-    if cfg.remote_url is not None:
-        message = remote_url_problem(cfg.remote_url)
-        if message:
-            problems.append(Problem("remote_url", cfg.remote_url, message))
-    return problems
+if _both:  # a key we implement must have left lmcache.py's tables
+    raise RuntimeError(f"keys both implemented and listed in config/lmcache.py: {sorted(_both)}")
 
 
 @dataclass

@@ -34,9 +34,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from lmcache_vllm.pinned import pinned_arena
-from lmcache_vllm.prefault import MODES as PREFAULT_MODES
-from lmcache_vllm.prefault import ArenaPrefaulter
+from lmcache_vllm.memory.pinned import pinned_arena
+from lmcache_vllm.memory.prefault import MODES as PREFAULT_MODES
+from lmcache_vllm.memory.prefault import ArenaPrefaulter
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,118 @@
+"""`LMCacheConfig`: the top-level keys of lmcache-vllm's configuration, each declared once with LMCache's
+name, its default, meaning and check; our own keys live in `extra.ExtraConfig` under `extra_config`.
+
+Constructing it (from code or by `loader.load_config`) validates every field and the keys that only make
+sense together (a disk tier needs a size, a Redis URL must be one we can use), and raises one
+`ConfigError` listing every problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from lmcache_vllm.config.extra import ExtraConfig
+from lmcache_vllm.config.fields import (Origin, Problem, at_least, greater_than, masked, normalize_fields,
+                                        raise_if_any, setting, size_gib)
+from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem
+
+HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
+GiB = 1 << 30
+
+@dataclass
+class LMCacheConfig:
+    """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
+
+    chunk_size: int = setting(
+        256, "tokens per stored chunk (any value; independent of vLLM's block size)",
+        check=at_least(1, "an integer"))
+    local_cpu: bool = setting(True, "L1 host-memory tier (false: the arena only stages transfers)")
+    max_local_cpu_size: float = setting(
+        5.0, "GiB of host memory for L1, reserved at start-up; pages are backed on first write "
+             "(see extra_config.prefault_local_cpu)", check=size_gib)
+    local_disk: Optional[str] = setting(
+        None, "L2 directory: /path, file:///path or a path relative to the working directory; null or "
+              "false: no disk tier", value_aliases={False: None})
+    max_local_disk_size: float = setting(0.0, "GiB cap of L2 (> 0 when local_disk is set)", check=size_gib)
+    remote_url: Optional[str] = setting(
+        None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., unix:///path/to/redis.sock; "
+              "null: no L3")
+    remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
+                                choices=("naive",), value_aliases={None: "naive"})
+    save_unfull_chunk: bool = setting(
+        False, "also store the trailing partial chunk: an exact repeat then loads all but its last token "
+               "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
+    save_decode_cache: bool = setting(False, "also store KV produced while decoding")
+    use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
+    enable_async_loading: bool = setting(
+        True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
+              "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
+              "default is false")
+    cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
+    blocking_timeout_secs: float = setting(
+        10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",
+        check=greater_than(0, "seconds"))
+    lookup_timeout_ms: int = setting(3000, "upper bound of a scheduler lookup; past it: a miss",
+                                     check=at_least(1, "milliseconds"))
+    pre_caching_hash_algorithm: str = setting(
+        "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
+        choices=HASH_ALGORITHMS)
+    enable_kv_events: bool = setting(
+        False, "KV cache events (BlockStored / BlockRemoved per chunk, medium cpu / disk / redis) through "
+               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on)")
+    extra_config: ExtraConfig = setting(
+        meaning="lmcache-vllm's own settings (next table; config/extra.py); merged key by key across sources",
+        default_factory=ExtraConfig)
+
+    def __post_init__(self):
+        problems = normalize_fields(self, skip=("extra_config",))
+        if not isinstance(self.extra_config, ExtraConfig):
+            # A mapping given in code goes through the loader's handling of extra_config keys (LMCache's
+            # names, typos) like every other source; imported here because the loader builds this class.
+            from lmcache_vllm.config.loader import build_extra
+            self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
+        problems += _check_together(self)
+        raise_if_any(problems)
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GiB)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * GiB)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """One line with every top-level key and the extra_config keys that differ from their default
+        (for the start-up log; a password in remote_url is masked)."""
+        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+                 if f.name != "extra_config"]
+        defaults = ExtraConfig()
+        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
+                   if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
+        return ", ".join(parts + [f"extra_config={changed!r}"])
+
+
+
+
+def _check_together(cfg: LMCacheConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    if cfg.local_cpu and cfg.max_local_cpu_bytes <= 0:
+        problems.append(Problem("max_local_cpu_size", cfg.max_local_cpu_size,
+                                "expected a size > 0 while local_cpu is true"))
+    if cfg.local_disk is not None:
+        cfg.local_disk, message = normalize_local_disk(cfg.local_disk)
+        if message:
+            problems.append(Problem("local_disk", cfg.local_disk, message))
+        elif cfg.max_local_disk_bytes <= 0:
+            problems.append(Problem("max_local_disk_size", cfg.max_local_disk_size,
+                                    "expected a size > 0 when local_disk is set"))
+    if cfg.remote_url is not None:
+        message = remote_url_problem(cfg.remote_url)
+        if message:
+            problems.append(Problem("remote_url", cfg.remote_url, message))
+    return problems
