@@ -37,7 +37,7 @@ setup(
     version="0.1.0",
     description="KV-cache layer for vLLM: tiered host-memory/disk/Redis storage behind a KVConnectorBase_V1",
     packages=find_packages(include=["lmcache_vllm", "lmcache_vllm.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=_read_requirements("base.txt"),
     extras_require={"test": _read_requirements("test.txt")},
     entry_points={"console_scripts": ["lmcache-vllm=lmcache_vllm.cli:main"]},

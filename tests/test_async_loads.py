@@ -16,14 +16,14 @@ from lmcache_vllm.integration.vllm.loads import FIRST_ANSWER_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
-from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine
+from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config
 
 STEP_BUDGET_S = 0.1  # what one worker call may take while a tier is slow (it does no tier I/O)
 
 
 def make_worker(engine, caches, load_timeout_s=10.0):
-    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=False,
-                        lookup_address=None, async_save=False, load_timeout_s=load_timeout_s)
+    worker = WorkerHalf(worker_config(engine, async_save=False, load_timeout_s=load_timeout_s),
+                        engine_factory=lambda _: engine, block_size=BLOCK, lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     return worker
 
@@ -145,7 +145,7 @@ def test_held_hit_survives_an_l1_full_of_new_stores():
             result = ask(worker, "a", tokens)
             assert result.hit_tokens == 4 * CHUNK and result.in_l1
             if not hold:
-                worker.loads.release(["a"])
+                worker.load.requests.release(["a"])
             for i in range(6):  # other requests' stores: 48 chunks through an L1 of 24
                 other = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * CHUNK))
                 engine.store(other, caches, torch.arange(8 * CHUNK))
@@ -234,7 +234,7 @@ def test_abort_while_waiting_releases_everything(redis_server, redis_engine):
         assert metrics.value("prefetch_held_chunks") == 0
         assert storage.allocator.num_live == len(storage.l1)  # read chunks stay in L1 or are freed
         assert not kv_of(redis_engine, caches, slots(dst)).any()
-        assert worker.loads.pending_async() == 0 and not worker.loads._lookups
+        assert worker.load.requests.pending_async() == 0 and not worker.load.requests._lookups
     finally:
         worker.shutdown()
 
@@ -281,8 +281,8 @@ def test_store_with_redis_paused_does_not_delay_the_next_step(redis_server, redi
     """The store path touches L1 only: with Redis frozen, a save and the next step's wait for it take
     a copy's time; the write to Redis lands once Redis is back."""
     caches = make_caches(True, seed=9)
-    worker = WorkerHalf(engine_factory=lambda _: redis_engine, block_size=BLOCK, use_layerwise=False,
-                        lookup_address=None, async_save=True)
+    worker = WorkerHalf(worker_config(redis_engine), engine_factory=lambda _: redis_engine, block_size=BLOCK,
+                        lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     try:
         tokens = list(range(5000, 5000 + 4 * CHUNK))
@@ -308,8 +308,8 @@ def test_producer_answers_only_once_its_chunks_are_in_redis(redis_server, redis_
     """A PD producer (durable saves): the step that completes a prompt returns only once every chunk is
     in Redis, so a consumer looking the prompt up right after the producer answered finds it."""
     caches = make_caches(True, seed=10)
-    worker = WorkerHalf(engine_factory=lambda _: redis_engine, block_size=BLOCK, use_layerwise=False,
-                        lookup_address=None, async_save=True, durable_saves=True)
+    worker = WorkerHalf(worker_config(redis_engine), engine_factory=lambda _: redis_engine, block_size=BLOCK,
+                        lookup_address=None, durable_saves=True)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     try:
         tokens = list(range(7000, 7000 + 3 * CHUNK))

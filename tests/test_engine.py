@@ -1,4 +1,6 @@
 """CacheEngine round trips on plain tensors in vLLM's CPU paged layout (no vLLM needed)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,6 +42,14 @@ def make_engine(**overrides):
     keys = KeyBuilder(model="test/model", world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=1,
                       hasher=ChunkHasher(CHUNK, cfg.pre_caching_hash_algorithm))
     return CacheEngine(cfg, layout, keys)
+
+
+def worker_config(engine, *, use_layerwise=False, async_save=True, load_timeout_s=None):
+    """The engine's configuration with the worker settings a test picks (WorkerHalf reads them there)."""
+    extra = dataclasses.replace(engine.config.extra_config, async_save=async_save)
+    timeout = engine.config.blocking_timeout_secs if load_timeout_s is None else load_timeout_s
+    return dataclasses.replace(engine.config, use_layerwise=use_layerwise, blocking_timeout_secs=timeout,
+                               extra_config=extra)
 
 
 def kv_of(engine, caches, slots):

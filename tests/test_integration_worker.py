@@ -9,12 +9,12 @@ from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
-from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine
+from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine, worker_config
 
 
 def _worker(engine, caches, async_save=True):
-    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=False,
-                        lookup_address=None, async_save=async_save)
+    worker = WorkerHalf(worker_config(engine, use_layerwise=False, async_save=async_save), engine_factory=lambda _: engine,
+                        block_size=BLOCK, lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     return worker
 
@@ -54,7 +54,7 @@ def test_background_save_then_load_round_trips():
         blocks = list(range(10, 10 + 3 * CHUNK // BLOCK))
         worker.begin_step()
         worker.wait_for_save(_save_meta(tokens, blocks))
-        assert worker.saves.executor is not None  # the save went to the background thread
+        assert worker.save.queue.executor is not None  # the save went to the background thread
         # A lookup waits for the pending save, so a prompt sent right after finds it.
         assert lookup(worker, tokens) == 3 * CHUNK
         assert metrics.value("stored_tokens") == 3 * CHUNK
@@ -117,7 +117,7 @@ def test_sync_save_stores_inside_the_step():
     try:
         tokens = list(range(300, 300 + CHUNK))
         worker.wait_for_save(_save_meta(tokens, list(range(CHUNK // BLOCK))))
-        assert worker.saves.executor is None and worker.saves._futures() == []
+        assert worker.save.queue.executor is None and worker.save.queue._futures() == []
         assert worker.engine.lookup(tokens) == CHUNK
     finally:
         worker.shutdown()
@@ -128,8 +128,9 @@ def test_reset_command_empties_l1_after_pending_saves(tmp_path):
 
     caches = make_caches(True, seed=6)
     address = lookup_socket_path("reset", 0, str(tmp_path))
-    worker = WorkerHalf(engine_factory=lambda _: make_engine(), block_size=BLOCK, use_layerwise=False,
-                        lookup_address=address, async_save=True)
+    engine = make_engine()
+    worker = WorkerHalf(worker_config(engine, use_layerwise=False, async_save=True), engine_factory=lambda _: engine,
+                        block_size=BLOCK, lookup_address=address)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     client = LookupClient([address], timeout_ms=5000, direct=False)
     try:
@@ -184,8 +185,8 @@ def test_load_failed_on_another_tp_rank_stops_this_ranks_saves(layerwise):
         return [True] * len(flags)
 
     engine = make_engine(use_layerwise=layerwise)
-    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=layerwise,
-                        lookup_address=None, async_save=False, failure_agreement=other_rank_failed)
+    worker = WorkerHalf(worker_config(engine, use_layerwise=layerwise, async_save=False), engine_factory=lambda _: engine,
+                        block_size=BLOCK, lookup_address=None, failure_agreement=other_rank_failed)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     try:
         tokens, new = list(range(700, 700 + CHUNK)), list(range(9000, 9000 + CHUNK))
@@ -206,8 +207,8 @@ def test_load_failed_on_another_tp_rank_stops_this_ranks_saves(layerwise):
 def test_layerwise_load_failing_at_a_later_layer_is_a_failed_load():
     caches = make_caches(True, seed=7)
     engine = make_engine(use_layerwise=True)
-    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=BLOCK, use_layerwise=True,
-                        lookup_address=None, async_save=False)
+    worker = WorkerHalf(worker_config(engine, use_layerwise=True, async_save=False), engine_factory=lambda _: engine,
+                        block_size=BLOCK, lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     try:
         tokens, new = list(range(800, 800 + CHUNK)), list(range(9100, 9100 + CHUNK))
@@ -250,7 +251,7 @@ def test_finished_request_is_reported_once_its_background_save_is_over():
         worker.wait_for_save(_save_meta(tokens[:CHUNK], list(range(CHUNK // BLOCK))))
         threading.Timer(0.2, release.set).start()
         worker.handle_preemptions(LMCacheConnectorMetadata(preempted_req_ids=["a"]))
-        assert worker.saves._futures() == []
+        assert worker.save.queue._futures() == []
     finally:
         release.set()
         worker.shutdown()

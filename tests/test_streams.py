@@ -8,6 +8,7 @@ is registered pinned memory of exactly the asked size.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -101,8 +102,8 @@ def _raw(view: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["auto", "torch"])
 def test_save_copies_the_kv_the_forward_wrote_on_its_own_stream(mode):
     case, views, engine = _views_and_engine()
-    worker = WorkerHalf(engine_factory=lambda _: engine, block_size=case.block_size, use_layerwise=False,
-                        lookup_address=None, async_save=True)
+    config = dataclasses.replace(engine.config, use_layerwise=False)
+    worker = WorkerHalf(config, engine_factory=lambda _: engine, block_size=case.block_size, lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": v for i, v in enumerate(views)})
     tokens = list(range(100, 164))
     final = torch.randint(1, 100, _raw(views[0]).shape, dtype=torch.uint8, device="cuda")

@@ -60,7 +60,7 @@ _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
 def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor],
-                       layout: ParallelLayout, kv_cache_config: "KVCacheConfig | None" = None):
+                       layout: ParallelLayout, kv_cache_config: "KVCacheConfig | None" = None) -> "CacheEngine":
     """The `CacheEngine` for one worker rank, keyed by the model's identity (`fingerprint.py`), KV dtype,
     TP and PP size and rank."""
     from lmcache_vllm.engine import CacheEngine
@@ -121,12 +121,10 @@ class LMCacheConnector(KVConnectorBase_V1):
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
             config = self.config
             self._worker = WorkerHalf(
-                engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, layout,
-                                                                 kv_cache_config),
-                block_size=block_size, use_layerwise=self.config.use_layerwise,
-                async_save=self.config.extra_config.async_save,
-                load_timeout_s=self.config.blocking_timeout_secs,
-                # A PD producer answers only once its chunks are in the shared tier (saves.py).
+                config, engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, layout,
+                                                                         kv_cache_config),
+                block_size=block_size,
+                # A PD producer answers only once its chunks are in the shared tier (save_pipeline.py).
                 durable_saves=kv_role == "kv_producer",
                 lookup_address=layout.lookup_address(instance_id) if self.can_load else None,
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
@@ -159,7 +157,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
         # The one start-up line with the resolved configuration (each worker rank, once).
         logger.info("%s, %d layers", logs.describe_config(
-            self.config, layout=getattr(self._worker.engine, "layout", None), world_size=self._world_size,
+            self.config, layout=self._worker.engine.layout if self._worker.engine else None, world_size=self._world_size,
             role=self._kv_role), len(kv_caches))
 
     def unregister_kv_caches(self) -> None:

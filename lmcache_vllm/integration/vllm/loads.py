@@ -18,10 +18,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LoadSpec
+
+if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
+    from lmcache_vllm.engine import CacheEngine, HeldPrefix
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ IDLE_STEP_WAIT_S = 0.01
 
 @dataclass
 class _Lookup:
-    held: object  # engine.HeldPrefix
+    held: HeldPrefix
     start: int
     num_tokens: int
     created: float
@@ -45,7 +49,7 @@ class _Lookup:
 @dataclass
 class AsyncLoad:
     spec: LoadSpec
-    held: object | None  # engine.HeldPrefix, None when the lookup's hold is gone
+    held: HeldPrefix | None  # None when the lookup's hold is gone
     deadline: float
 
 
@@ -53,7 +57,7 @@ class RequestLoads:
     """See the module docstring. Thread-safe: lookups come from the lookup server's thread (or vLLM's
     scheduler thread), loads from the worker's step."""
 
-    def __init__(self, engine, *, timeout_s: float, hold_s: float):
+    def __init__(self, engine: CacheEngine, *, timeout_s: float, hold_s: float):
         self.engine = engine
         self.timeout_s = float(timeout_s)
         self.hold_s = float(hold_s)

@@ -50,10 +50,6 @@ class LoadSpec:
     extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
     is_async: bool = False
 
-    @property
-    def num_tokens_to_load(self) -> int:
-        return self.load_end - self.skip_leading
-
 
 @dataclass
 class SaveSpec:
@@ -81,7 +77,6 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
     release_req_ids: list[str] = field(default_factory=list)  # looked up, will load nothing: unhold
     idle: bool = False  # vLLM computes nothing this step (e.g. every request waits for its load)
     # Finished requests whose blocks vLLM keeps until the workers report their saves over

@@ -195,8 +195,7 @@ class SchedulerHalf:
         return dict(tracker.hit_sources) if tracker is not None else {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
-        meta = LMCacheConnectorMetadata(finished_req_ids=sorted(scheduler_output.finished_req_ids),
-                                        release_req_ids=self._unheld,
+        meta = LMCacheConnectorMetadata(release_req_ids=self._unheld,
                                         idle=scheduler_output.total_num_scheduled_tokens == 0,
                                         delayed_free_req_ids=self._delayed_free,
                                         preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()))

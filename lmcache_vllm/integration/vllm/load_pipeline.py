@@ -1,0 +1,203 @@
+"""The worker's load pipeline: cached chunks into vLLM's paged KV cache, and what could not be loaded.
+
+- `start(meta)` (vLLM's `start_load_kv`, before the forward): a synchronous `LoadSpec` takes the chunks
+  its lookup held (`loads.RequestLoads`) and copies them in, from memory only (the lookup's prefetch did
+  every tier read), all layers at once or layer by layer as vLLM announces them (`wait_for_layer`); an
+  asynchronous one starts waiting for its reads while vLLM runs other requests.
+- `finished(meta, finished_req_ids)` (vLLM's `get_finished`): copies in the asynchronous loads whose
+  reads are over and reports them, and those aborted while waiting, as finished receiving.
+- Tokens that could not be loaded are reported by block id (`take_load_errors`, vLLM recomputes them)
+  and their request is in `failed` for this step: it saves nothing, since KV computed on top of a hole
+  must never be stored. With tensor parallelism `agree` first learns the loads that failed on any rank
+  (a hole on one rank corrupts every rank's KV through the all-reduce). A layerwise load that fails at a
+  later layer counts as a failure of its whole range.
+While paused (vLLM released the KV cache) nothing is copied: loads are reported failed (recompute).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from lmcache_vllm.integration.vllm.layerwise import LayerSteps
+from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, RequestLoads
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, slot_mapping_for
+from lmcache_vllm.observability import logs, metrics
+
+if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
+    from lmcache_vllm.engine import CacheEngine, HeldPrefix
+
+logger = logging.getLogger(__name__)
+
+# failed per load of this rank -> failed on any rank, per load (identity without tensor parallelism)
+FailureAgreement = Callable[[list[bool]], list[bool]]
+
+
+class LoadPipeline:
+    """See the module docstring. One per worker rank, built once the KV cache exists."""
+
+    def __init__(self, engine: CacheEngine, kv_caches: list[torch.Tensor], layer_index: dict[str, int], *,
+                 block_size: int, use_layerwise: bool, timeout_s: float,
+                 failure_agreement: FailureAgreement | None = None):
+        self.engine = engine
+        self.kv_caches = kv_caches
+        self.layer_index = layer_index
+        self.block_size = block_size
+        self.use_layerwise = use_layerwise
+        self.timeout_s = timeout_s
+        self.requests = RequestLoads(engine, timeout_s=timeout_s, hold_s=engine.storage.prefetch_hold_secs)
+        self._agree = failure_agreement or list
+        self._load_errors: set[int] = set()
+        self._unloaded: set[str] = set()  # asynchronous loads refused while paused, to report done
+        # This step's layerwise loads, the next layer they copy, and the requests whose load failed
+        # (on any rank, once `agree` ran).
+        self._retrievers: LayerSteps[tuple[LoadSpec, torch.Tensor]] = LayerSteps()
+        self._next_layer = 0
+        self.failed: set[str] = set()
+        self._agreed = False
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        self._retrievers.close()  # none is left unless a step ended early (vLLM paused the cache)
+        self._next_layer = 0
+        self.failed = set()
+        self._agreed = False
+
+    def lookup(self, query: LookupQuery) -> LookupAnswer:
+        return self.requests.lookup(query)
+
+    def start(self, meta: LMCacheConnectorMetadata, paused: bool) -> None:
+        if meta.release_req_ids:
+            self.requests.release(meta.release_req_ids)
+        if paused:  # vLLM does not schedule while its cache is released; recompute if it ever did
+            for spec in meta.loads:
+                self._load_errors.update(spec.block_ids)
+                if spec.is_async:
+                    self._unloaded.add(spec.req_id)  # reported done (failed), never left waiting
+            return
+        for spec in meta.loads:
+            if spec.is_async:
+                self.requests.begin_async(spec)
+                continue
+            held = self.requests.take(spec.req_id)
+            if held is not None and not held.ready():
+                # Async loading is off and the hit needs a slower tier: wait (bounded) for its reads.
+                held.handle.wait(self.timeout_s)
+            with metrics.timed("load_seconds"):
+                self._load(spec, held, self.use_layerwise)
+
+    def finished(self, meta: LMCacheConnectorMetadata | None, finished_req_ids: set[str], paused: bool,
+                 idle_wait: Callable[[], None]) -> set[str]:
+        """Requests whose asynchronous load is done: copied in from L1 (what is missing is reported as
+        load errors in this same step), or aborted while waiting (reads stopped, nothing copied).
+        `idle_wait()` is called on an idle step with no load to report (it waits a little for saves)."""
+        done = self.requests.abort(finished_req_ids) | self._unloaded
+        self._unloaded = set()
+        if meta is not None and meta.idle and not done:
+            if self.requests.pending_async():
+                self.requests.wait_for_progress(IDLE_STEP_WAIT_S)
+            else:
+                idle_wait()
+        for job in self.requests.ready_loads():
+            if paused:  # the KV cache views are not valid: nothing may be copied in
+                self._load_errors.update(job.spec.block_ids)
+                if job.held is not None:
+                    job.held.release()
+            else:
+                with metrics.timed("load_seconds"):
+                    self._load(job.spec, job.held, layerwise=False)
+            done.add(job.spec.req_id)
+        return done
+
+    def _load(self, spec: LoadSpec, held: HeldPrefix | None, layerwise: bool) -> None:
+        num = len(spec.token_ids)
+        wanted = torch.zeros(num, dtype=torch.bool)
+        wanted[spec.skip_leading:spec.load_end] = True
+        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long)
+        owner = held.owner if held is not None else None
+        try:
+            slots = slot_mapping_for(spec.block_ids, self.block_size, num)
+            if layerwise:
+                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra,
+                                                       owner=owner, lower_tiers=False)
+                loaded = torch.as_tensor(next(retriever), dtype=torch.bool)
+                self._retrievers.add((spec, loaded), retriever)
+            else:
+                # Memory only: the lookup's prefetch did the tier reads; none happens in the step.
+                loaded = torch.as_tensor(self.engine.retrieve(tokens, self.kv_caches, slots, wanted,
+                                                              extra=spec.extra, owner=owner, lower_tiers=False),
+                                         dtype=torch.bool)
+        except Exception:
+            logs.warn(logger, "load_failed", "request %s: load failed; vLLM will recompute", spec.req_id,
+                      exc_info=True)
+            loaded = torch.zeros(num, dtype=torch.bool)
+        finally:
+            if held is not None:
+                held.release()  # what the load did not take (chunks past load_end)
+        self._fail(spec, wanted & ~loaded, int(wanted.sum()))
+
+    def _fail(self, spec: LoadSpec, missing: torch.Tensor, wanted: int) -> None:
+        """Reports the blocks of `missing` tokens to vLLM (recompute) and stops the request's saves."""
+        num_missing = int(missing.sum())
+        if not num_missing:
+            return
+        positions = torch.nonzero(missing).flatten().tolist()
+        bad_blocks = {spec.block_ids[p // self.block_size] for p in positions}
+        self._load_errors.update(bad_blocks)
+        self.failed.add(spec.req_id)
+        metrics.inc("failed_load_tokens", num_missing)
+        logs.warn(logger, "load_incomplete", "request %s: %d of %d tokens could not be loaded; %d blocks "
+                  "reported for recompute", spec.req_id, num_missing, wanted, len(bad_blocks))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Every layerwise load has copied its layers up to and including `layer_name`'s."""
+        if not self._retrievers:
+            return
+        target = self.layer_index.get(layer_name)
+        if target is None:
+            return
+        while self._next_layer <= target:
+            self._retrievers.step(self._layer_failed)
+            self._next_layer += 1
+
+    def finish_layers(self) -> None:
+        """Layers the forward never announced still get their KV before the step ends."""
+        if self._retrievers:
+            self.wait_for_layer(next(reversed(self.layer_index)))
+
+    def _layer_failed(self, tag: tuple[LoadSpec, torch.Tensor], exc: Exception) -> None:
+        # Earlier layers got their KV, this and later ones did not: the whole range is a hole.
+        spec, loaded = tag
+        logs.warn(logger, "load_failed", "request %s: layerwise load failed at layer %d", spec.req_id,
+                  self._next_layer, exc_info=True)
+        self._fail(spec, loaded, int(loaded.sum()))
+
+    def agree(self, meta: LMCacheConnectorMetadata) -> None:
+        """Once per step with loads and saves (the same steps on every rank: the metadata is identical),
+        learns which loads failed on any tensor-parallel rank."""
+        if self._agreed or not (meta.loads and meta.saves):
+            return
+        self._agreed = True
+        mine = [spec.req_id in self.failed for spec in meta.loads]
+        try:
+            anywhere = self._agree(mine)
+        except Exception:
+            logs.warn(logger, "tp_agreement_failed", "TP ranks could not agree on failed loads; this step's "
+                      "loaded requests save nothing", exc_info=True)
+            anywhere = [True] * len(mine)
+        for spec, here, there in zip(meta.loads, mine, anywhere):
+            if there and not here:
+                self.failed.add(spec.req_id)
+                metrics.inc("loads_failed_on_other_rank")
+                logs.warn(logger, "load_failed_on_other_rank", "request %s: its load failed on another "
+                          "tensor-parallel rank; it saves nothing this step", spec.req_id)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._retrievers.close()
+        self.requests.close()
