@@ -37,6 +37,8 @@ STABLE = [
     ("pending_lookups", "counter", (),
      "Lookups answered 'ask again' because a slower tier had not said yet where the chunks are;"
      ' vLLM ran the other requests that step'),
+    ("retrieves_below_minimum", "counter", (),
+     'Hits not loaded because they would load fewer new tokens than min_retrieve_tokens (vLLM computed them)'),
     ("loaded_tokens", "counter", (),
      "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP rank 0)"),
     ("failed_load_tokens", "counter", (),

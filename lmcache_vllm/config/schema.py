@@ -49,6 +49,9 @@ class LMCacheConfig:
         True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
               "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
               "default is false")
+    min_retrieve_tokens: int = setting(
+        0, "a hit that would load fewer new tokens than this is not loaded (vLLM computes them); 0: every "
+           "hit is loaded", check=at_least(0, "tokens"))
     cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
     blocking_timeout_secs: float = setting(
         10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",

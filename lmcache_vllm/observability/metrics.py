@@ -78,6 +78,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "tier, so the request waited (WAITING_FOR_REMOTE_KVS) while vLLM ran the others", scope="engine"),
     _c("pending_lookups", "requests", "Lookups answered 'ask again' because a slower tier had not said "
        "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
+    _c("retrieves_below_minimum", "requests", "Hits not loaded because they would load fewer new tokens "
+       "than min_retrieve_tokens (vLLM computed them)", scope="engine"),
     # -- worker / engine
     _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "
        "rank 0)", scope="engine"),
