@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_vllm.config.fields import (at_least, greater_than, normalize_fields, raise_if_any, setting,
-                                        size_gib)
+from lmcache_vllm.config.fields import at_least, greater_than, normalize_fields, raise_if_any, setting, size_gib
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")

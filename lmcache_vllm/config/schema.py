@@ -13,8 +13,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmcache_vllm.config.extra import ExtraConfig
-from lmcache_vllm.config.fields import (Origin, Problem, at_least, greater_than, masked, normalize_fields,
-                                        raise_if_any, setting, size_gib)
+from lmcache_vllm.config.fields import (
+    Origin,
+    Problem,
+    at_least,
+    greater_than,
+    masked,
+    normalize_fields,
+    raise_if_any,
+    setting,
+    size_gib,
+)
+from lmcache_vllm.config.reader import build_extra
 from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
@@ -71,9 +81,7 @@ class LMCacheConfig:
     def __post_init__(self):
         problems = normalize_fields(self, skip=("extra_config",))
         if not isinstance(self.extra_config, ExtraConfig):
-            # A mapping given in code goes through the loader's handling of extra_config keys (LMCache's
-            # names, typos) like every other source; imported here because the loader builds this class.
-            from lmcache_vllm.config.loader import build_extra
+            # A mapping given in code is read like every other source's extra_config (LMCache's names, typos).
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
         raise_if_any(problems)
