@@ -183,7 +183,7 @@ class _Loader:
             return
         hint = did_you_mean(key, entry.value, candidates)
         message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
-                   f"unknown key: neither lmcache-vllm nor LMCache has it (README.md lists every key)")
+                   "unknown key: neither lmcache-vllm nor LMCache has it (docs/CONFIG.md lists every key)")
         self.problems.append(Problem(name, entry.value, message, entry.origin))
 
     def environment(self, others: list[Entry]) -> None:
