@@ -226,3 +226,20 @@ def test_the_check_finds_what_is_stale() -> None:
                "`LookupQuery.extra`, `Tier.medium`, `StorageManager._prefetch`, `tests/e2e/`, `pinned.py`, "
                "`CacheEngine.lookup/store/retrieve`, `PagedKVLayout.geometry`")
     assert missing_names(current) == []
+
+
+@pytest.mark.parametrize("generator, doc", [("config", "CONFIG.md"), ("metrics", "METRICS.md")])
+def test_update_docs_rewrites_the_generated_part_only(tmp_path: Path, generator: str, doc: str) -> None:
+    from lmcache_vllm.config import doc as config_doc
+    from lmcache_vllm.observability import metrics_doc
+
+    module = config_doc if generator == "config" else metrics_doc
+    text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+    section = module.generated_section(text)
+    assert section is not None
+    stale = text.replace(section, section.replace("| key |", "| old key |").replace("| metric |", "| old |"))
+    assert stale != text
+    copy = tmp_path / doc
+    copy.write_text(stale, encoding="utf-8")
+    module.update_doc(str(copy))  # what `python -m ... --update-docs` does to docs/
+    assert copy.read_text(encoding="utf-8") == text
