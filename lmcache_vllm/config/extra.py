@@ -4,7 +4,7 @@ default, meaning and validation.
 LMCache keeps backend- and feature-specific settings in the free-form `extra_config` mapping; lmcache-vllm
 keeps its own less common knobs there too, but as a schema: a key is read only from here, typed and
 defaulted (`config.extra_config.write_queue_depth`), never with `extra_config.get("x", default)`. To add a
-key, add one field with `setting(default, meaning, check=...)`; the README table is generated from it.
+key, add one field with `setting(default, meaning, check=...)`; the table in docs/CONFIG.md is generated from it.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class EntryReader:
             return
         hint = did_you_mean(key, entry.value, candidates)
         message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
-                   "unknown key: neither lmcache-vllm nor LMCache has it (README.md lists every key)")
+                   "unknown key: neither lmcache-vllm nor LMCache has it (docs/CONFIG.md lists every key)")
         self.problems.append(Problem(name, entry.value, message, entry.origin))
 
     def features(self) -> None:

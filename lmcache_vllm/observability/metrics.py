@@ -2,7 +2,7 @@
 
 - `METRICS` names each counter, gauge and histogram once, with its unit, help text and labels (`tier`:
   local_cpu / local_disk / redis). Prometheus exposes them as `lmcache_vllm:<name>` (counters with
-  `_total`); the README's metric table is generated from it.
+  `_total`); the metric table in docs/METRICS.md is generated from it.
 - Code anywhere in the process records with `inc(name, n, **labels)`, `observe(name, seconds, **labels)`
   or `timed(name)`; gauges are read when asked for, from functions given to `register_gauges` (a tier
   reports its bytes used, a breaker its state) so nothing has to keep them up to date.

@@ -4,7 +4,7 @@ chunk file read (`read_chunk`) or written atomically (`write_chunk`: a temp file
 O_DIRECT needs the memory address, the file offset and the length in whole logical blocks
 (`DIRECT_ALIGN`, 4 KiB covers every common device). A chunk file is a header padded to 4 KiB plus the
 payload; the payload comes straight from the host arena, whose large objects start on a page (see
-`memory.py`). A payload tail shorter than a block is written through the page cache.
+`memory/allocator.py`). A payload tail shorter than a block is written through the page cache.
 """
 from __future__ import annotations
 
