@@ -10,7 +10,7 @@ The comparison prints one line, `cuda kernels on host: P/T cases match the torch
 <device name>`), after the cases that differed, and exits 1 unless P = T. `--self-check` runs
 `PagedKVLayout.bind_kernel` (what the connector runs at registration) on vLLM's views of every
 `KVCacheLayout`, KV and MLA, bf16 and fp8, prints each verdict and exits 1 unless the kernel was chosen
-for every one. `--json FILE` writes the results.
+for every one. `--json FILE` writes the results; `--cases TEXT...` keeps the cases whose name contains one.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def the_kernel(device: str, build: str):
 
 def compare(args) -> int:
     kernel_for = the_kernel(args.device, args.build)
-    cases = kernel_cases()
+    cases = [case for case in kernel_cases() if not args.cases or any(part in str(case) for part in args.cases)]
     results, failed = [], 0
     units: collections.Counter[int] = collections.Counter()
     start = time.perf_counter()
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", default="as_built", choices=("as_built", "small_grid", "wrong"),
                         help="host build for every case (default: as nvcc builds it, small_grid where a case asks)")
     parser.add_argument("--self-check", action="store_true", help="the device self-check on every layout")
+    parser.add_argument("--cases", nargs="*", metavar="TEXT", help="only the cases whose name contains one of these")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     return self_check(args) if args.self_check else compare(args)
