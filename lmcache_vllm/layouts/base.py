@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -242,6 +241,8 @@ class PagedKVLayout(ABC):
     def kernel_transfer(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
                         chunk: torch.Tensor) -> None:
         """One gather (caches -> chunk) or scatter of checked inputs through the compiled op `ext`."""
+        if self.op_code is None:
+            raise LayoutError(f"{self.name}: no compiled op moves this layout")
         _, device_slots = self._plan_for(slots, caches[0].device, need_plan=False)
         error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
         if error:

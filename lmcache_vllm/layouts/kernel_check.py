@@ -148,13 +148,11 @@ def compare_paths(layout: "PagedKVLayout", views: list[torch.Tensor], slots: tor
     sentinel = random_bits(shape, dtype, gen)
     reference = new_chunk(sentinel)
     layout.torch_transfer(True, views, slots, reference)
-    by_kernel = new_chunk(sentinel)
-    layout.kernel_transfer(ext, True, views, slots, by_kernel)
-    layerwise = new_chunk(sentinel)
-    for layer, view in enumerate(views):
-        layout.kernel_transfer(ext, True, [view], slots, layerwise[layer:layer + 1])
+    gathered = {what: new_chunk(sentinel) for what in ("gather", "layerwise gather")}
+    for what, chunk in gathered.items():
+        _through_kernel(layout, ext, True, views, slots, chunk, layerwise=what != "gather")
     _sync(views[0].device)
-    for what, chunk in (("gather", by_kernel), ("layerwise gather", layerwise)):
+    for what, chunk in gathered.items():
         problem = _chunk_difference(chunk, reference, slots)
         if problem is not None:
             return f"{what}: {problem}"
@@ -163,17 +161,25 @@ def compare_paths(layout: "PagedKVLayout", views: list[torch.Tensor], slots: tor
     source = new_chunk(random_bits(shape, dtype, gen))
     expected = clone_views(views)
     layout.torch_transfer(False, expected, unique, source)
-    into = clone_views(views)
-    layout.kernel_transfer(ext, False, into, unique, source)
-    into_layerwise = clone_views(views)
-    for layer, view in enumerate(into_layerwise):
-        layout.kernel_transfer(ext, False, [view], unique, source[layer:layer + 1])
+    written = {what: clone_views(views) for what in ("scatter", "layerwise scatter")}
+    for what, into in written.items():
+        _through_kernel(layout, ext, False, into, unique, source, layerwise=what != "scatter")
     _sync(views[0].device)
-    for what, written in (("scatter", into), ("layerwise scatter", into_layerwise)):
-        problem = _backing_difference(written, expected)
+    for what, into in written.items():
+        problem = _backing_difference(into, expected)
         if problem is not None:
             return f"{what}: {problem}"
     return None
+
+
+def _through_kernel(layout: "PagedKVLayout", ext: Any, gather: bool, views: list[torch.Tensor],
+                    slots: torch.Tensor, chunk: torch.Tensor, layerwise: bool) -> None:
+    """One call for every layer, or one call per layer (the kernel's single-layer path)."""
+    if not layerwise:
+        layout.kernel_transfer(ext, gather, views, slots, chunk)
+        return
+    for layer, view in enumerate(views):
+        layout.kernel_transfer(ext, gather, [view], slots, chunk[layer:layer + 1])
 
 
 # ---- scratch copies of a layout -----------------------------------------------------------------------------
