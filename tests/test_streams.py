@@ -20,8 +20,6 @@ import torch
 from lmcache_vllm import ops
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
-from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, SaveSpec
-from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence, SideStream, copy_stream, valid_runs
 from lmcache_vllm.memory import HostAllocator
@@ -139,6 +137,9 @@ def _raw(view: torch.Tensor) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("mode", ["auto", "torch"])
 def test_save_copies_the_kv_the_forward_wrote_on_its_own_stream(mode):
+    pytest.importorskip("vllm", reason="the worker half's metadata is vLLM's (a GPU host may lack vLLM)")
+    from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, SaveSpec
+    from lmcache_vllm.integration.vllm.worker import WorkerHalf
     case, views, engine = _views_and_engine()
     worker = WorkerHalf(engine_factory=lambda _: engine, block_size=case.block_size, use_layerwise=False,
                         lookup_address=None, async_save=True)
