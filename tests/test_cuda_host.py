@@ -8,6 +8,7 @@
   and a counted fallback, and the layout's copies still give the right bytes (torch path); `on` makes a
   mismatch an error, `off` never uses the kernel; the check never touches the live cache; its scratch copy
   has the live cache's strides, dtype, layer placement and address alignment.
+- The host build runs under UBSan: a 16-byte unit at a misaligned address (a GPU fault) ends the run.
 Skipped where no C++ compiler or CUDA toolkit headers are installed (CI has both: `make check-cuda` needs nvcc).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,30 @@ def test_config_key_cuda_kernel():
         assert load_config({"extra_config": {"cuda_kernel": value}}, environ={}).extra_config.cuda_kernel == want
     with pytest.raises(Exception, match="cuda_kernel"):
         load_config({"extra_config": {"cuda_kernel": "maybe"}}, environ={})
+
+
+MISALIGNED = r"""
+import ctypes, torch
+from lmcache_vllm.testing.cuda_host import host_kernel
+kernel = host_kernel("as_built").with_chunk_path(False)
+raw = torch.zeros(4 * 16 * 2 * 128 * 2 + 64, dtype=torch.uint8)
+shift = (-raw.data_ptr()) % 64 + 2  # a layer base 2 bytes past a 64-byte line: 2-byte units only
+cache = raw[shift:shift + 4 * 16 * 2 * 128 * 2].view(torch.bfloat16).view(4, 16, 2, 128).permute(0, 2, 1, 3)
+caches = [cache, cache]
+slots, chunk = torch.arange(4), torch.zeros(2, 2, 4, 128, dtype=torch.bfloat16)
+args, keep, error = kernel._args(caches, slots, chunk, 4, 16)
+assert not error and kernel.library.lmc_paged_unit_bytes(ctypes.byref(args)) == 2
+args.bases_or = 0  # a binding that forgot the layer bases would make the kernel pick 16-byte units
+print("unit", kernel.library.lmc_paged_unit_bytes(ctypes.byref(args)), flush=True)
+kernel.library.lmc_paged_gather(ctypes.byref(args), None)
+print("not stopped")
+"""
+
+
+def test_a_misaligned_16_byte_unit_stops_the_host_build():
+    """A GPU faults on a 16-byte access at an address that is not 16-byte aligned; x86 would just do it. The
+    host build runs under UBSan so such an access ends the run (here: arguments lying about the bases)."""
+    result = subprocess.run([sys.executable, "-c", MISALIGNED], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert result.stdout.split() == ["unit", "16"], (result.stdout, result.stderr[-2000:])
+    assert result.returncode != 0 and "misaligned address" in result.stderr, result.stderr[-2000:]

@@ -6,7 +6,7 @@ vector types from the toolkit headers, the grid walked by a host loop) into a sh
 `HostKernel`: `gather(caches, slots, out, layout, block_size)` / `scatter(chunk, caches, slots, layout,
 block_size)` on CPU tensors, returning "" or an error message, exactly as the extension is called through
 `lmcache_vllm.ops.transfer`. So the index arithmetic, the 16-byte units with their unrolled loop, the tails
-and the narrower units for unaligned addresses run in CI exactly as written.
+and the narrower units for unaligned addresses run in CI exactly as written, under UBSan (`SANITIZE`).
 
 Variants (`VARIANTS`): "as_built" (what nvcc builds), "small_grid" (the grid capped at 2 blocks per row, so
 every thread strides over many rounds of the loop) and "wrong" (each token's slot xor 1: a deliberately
@@ -41,6 +41,13 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "small_grid": ("-DLMC_MAX_BLOCKS_X=2u",),
     "wrong": ("-DLMC_KERNEL_SLOT(slot)=((slot) ^ 1)",),
 }
+
+
+# Undefined behaviour the GPU would not forgive stops the process at once: a 16-byte unit at an address that
+# is not 16-byte aligned (the GPU faults on it; x86 would just load it), signed overflow of the index math,
+# a null or overflowing pointer, an index past a local array.
+SANITIZE = ("-fsanitize=alignment,null,signed-integer-overflow,shift,bounds,pointer-overflow",
+            "-fno-sanitize-recover=all")
 
 
 class HostKernelUnavailable(RuntimeError):
@@ -82,7 +89,7 @@ def build(variant: str = "as_built") -> str:
     include = cuda_include_dir()
     if compiler is None or include is None:
         raise HostKernelUnavailable(f"needs g++ ({compiler}) and the CUDA toolkit headers ({include})")
-    flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+    flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-Wno-unknown-pragmas", *SANITIZE,
              f"-I{include}", f"-I{CUDA_OPS}", "-include", os.path.join(CUDA_OPS, "host_emulation.h"),
              *VARIANTS[variant]]
     digest = hashlib.sha1(" ".join([compiler, *flags]).encode())
