@@ -127,7 +127,9 @@ def _views_and_engine(num_blocks=16, chunk=64, l1_gib=0.05):
     config = load_config({"chunk_size": chunk, "max_local_cpu_size": l1_gib}, environ={})
     keys = KeyBuilder(model="test/model", world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=1,
                       hasher=ChunkHasher(chunk, config.pre_caching_hash_algorithm))
-    return case, views, CacheEngine(config, detect_layout(views, **case.describe()), keys)
+    layout = detect_layout(views, **case.describe())
+    layout.bind_kernel(views, "on")  # mode auto runs the kernel itself, never a silent fallback
+    return case, views, CacheEngine(config, layout, keys)
 
 
 def _raw(view: torch.Tensor) -> torch.Tensor:

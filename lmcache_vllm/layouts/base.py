@@ -123,7 +123,7 @@ class PagedKVLayout(ABC):
         self._last_plan: tuple[torch.Tensor, SlotPlan | None, torch.Tensor, object] | None = None
         # (device, the kernel `bind_kernel` chose for it or None for the torch path, the verdict)
         self._bound: tuple[torch.device, Any, "KernelVerdict"] | None = None
-        self._bind_lock = threading.Lock()
+        self._bind_lock = threading.RLock()
         self.stage_on_cpu = False  # run the torch path's device staging on CPU tensors too
 
     def __repr__(self) -> str:
@@ -220,8 +220,10 @@ class PagedKVLayout(ABC):
         if ops.mode() == "torch":
             return None
         bound = self._bound
-        if bound is None and device.type == "cuda":  # first copy on a GPU: the kernel is trusted after its check
-            self.bind_kernel(caches)
+        if device.type == "cuda" and (bound is None or bound[0] != device):
+            with self._bind_lock:  # first copy on this GPU: the kernel is trusted only after its check (once)
+                if self._bound is None or self._bound[0] != device:
+                    self.bind_kernel(caches)
             bound = self._bound
         if bound is not None and bound[0] == device:
             return bound[1]
