@@ -29,6 +29,9 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PY
+# The last GPU host had its compiler in /opt/gcc, and nvcc only in /usr/local/cuda/bin.
+command -v g++ >/dev/null 2>&1 || { [ -x /opt/gcc/bin/g++ ] && export PATH="/opt/gcc/bin:$PATH"; }
+command -v nvcc >/dev/null 2>&1 || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"; }
 
 step() {  # step NAME COMMAND...: output to log.txt and the screen, status and last line to summary.txt
   local name=$1; shift
