@@ -19,8 +19,10 @@ every pointer is its own alias).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import glob
 import hashlib
 import os
 import shutil
@@ -104,6 +106,10 @@ def build(variant: str = "as_built") -> str:
         if result.returncode != 0:
             raise RuntimeError(f"g++ could not compile paged_copy.cu for the host:\n{result.stderr[-4000:]}")
         os.replace(partial, target)  # atomic: parallel builds of the same variant never see half a file
+        for stale in glob.glob(os.path.join(os.path.dirname(target), f"paged_copy_host-{variant}-*.so")):
+            if stale != target:  # builds of older sources
+                with contextlib.suppress(OSError):
+                    os.remove(stale)
     return target
 
 
