@@ -128,10 +128,10 @@ def bench_cuda(rounds: int, calls: int, results: dict) -> None:
     for name, seconds in best.items():
         print(f"  {name:<30}{seconds * 1e3:>10.4f} ms{nbytes / seconds / 1e9:>8.1f} GB/s")
         results[f"cuda_{name}_ms"] = round(seconds * 1e3, 5)
-    ratios = {"cuda_gather_staged_vs_kernel_ratio": best["kernel_gather_pinned"] / best["torch_staged_gather_pinned"],
-              "cuda_scatter_staged_vs_kernel_ratio": best["kernel_scatter_pinned"] / best["torch_staged_scatter_pinned"],
-              "cuda_gather_kernel_pinned_vs_copy_ratio": best["pinned_d2h_copy"] / best["kernel_gather_pinned"],
-              "cuda_gather_staged_vs_copy_ratio": best["pinned_d2h_copy"] / best["torch_staged_gather_pinned"]}
+    ratios = {f"cuda_{op}_staged_vs_kernel_ratio": best[f"kernel_{op}_pinned"] / best[f"torch_staged_{op}_pinned"]
+              for op in ("gather", "scatter")}
+    ratios["cuda_gather_kernel_pinned_vs_copy_ratio"] = best["pinned_d2h_copy"] / best["kernel_gather_pinned"]
+    ratios["cuda_gather_staged_vs_copy_ratio"] = best["pinned_d2h_copy"] / best["torch_staged_gather_pinned"]
     for name, value in ratios.items():
         print(f"  {name:<44}{value:>7.2f}")
         results[name] = round(value, 3)
