@@ -59,6 +59,10 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("cuda_kernel_fallbacks", "counter", ('reason',),
+     'KV layouts whose copies use the torch path on a GPU although extra_config.cuda_kernel is auto: the '
+     'CUDA kernel gave other bytes than the torch path on a scratch copy of the layout (mismatch), failed to '
+     'run (error) or is not built (not_built)'),
     ("async_load_timeouts", "counter", (),
      'Asynchronous loads whose chunks were not read within blocking_timeout_secs; what had not'
      ' arrived was recomputed'),

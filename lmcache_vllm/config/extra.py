@@ -55,6 +55,12 @@ class ExtraConfig:
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
     remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
                                              check=SECONDS)
+    # KV copies on a GPU
+    cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
+                                       "the torch path's bytes on a scratch copy of that layout; otherwise an "
+                                       "error is logged and the torch path used), 'on' (the same check; a "
+                                       "mismatch or a missing kernel stops the start), 'off' (torch path)",
+                               choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     # Operations
     reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
                                              "L2 and L3 (shared with other instances); false: only L1")

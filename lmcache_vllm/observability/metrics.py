@@ -98,6 +98,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _c("cuda_kernel_fallbacks", "layouts", "KV layouts whose copies use the torch path on a GPU although "
+       "extra_config.cuda_kernel is auto: the CUDA kernel gave other bytes than the torch path on a scratch "
+       "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),
     _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
        "blocking_timeout_secs; what had not arrived was recomputed"),
     _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
