@@ -36,6 +36,8 @@ try:
     host_kernel("as_built")
     UNAVAILABLE = ""
 except HostKernelUnavailable as exc:
+    if os.environ.get("CI"):  # CI has g++ and nvcc (make check-cuda needs them): never skip there
+        raise
     UNAVAILABLE = str(exc)
 pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"kernel source not buildable for the host: {UNAVAILABLE}")
 
