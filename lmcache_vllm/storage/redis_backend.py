@@ -120,6 +120,7 @@ class RedisBackend(StorageBackend):
             if read:
                 metrics.inc("failed_reads", tier=self.name)
             return default
+        probe = self._retry_at is not None  # let through while open: this call is the probe
         try:
             coro = make_coro()
             result = await (asyncio.wait_for(coro, self.timeout * chunks) if chunks else coro)
@@ -132,6 +133,11 @@ class RedisBackend(StorageBackend):
             except Exception:  # dropping dead sockets is best effort
                 pass
             return default
+        finally:
+            # A probe that ended neither way (cancelled: its request was aborted, or shutdown) said
+            # nothing about Redis; it must give the probe slot back, or no call would ever be let through.
+            if probe and self._retry_at is not None:
+                self._probing = False
         self._succeeded()
         return result
 
