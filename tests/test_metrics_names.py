@@ -19,8 +19,11 @@ STABLE = [
     ("lookup_timeouts", "counter", (),
      'Lookups that timed out and counted as 0 hits'),
     ("lookup_rejected", "counter", (),
-     'Lookup messages a worker refused: malformed, or more tokens than max_model_len (answered'
-     ' 0 hits or dropped)'),
+     'Lookup messages a worker refused: malformed, a field out of range, more tokens than '
+     'max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 to a command)'),
+    ("lookup_server_restarts", "counter", (),
+     "Times a worker's lookup server loop failed outside any one message (a ZMQ error) and started "
+     "serving again"),
     ("uncacheable_requests", "counter", ('reason',),
      'Requests neither looked up nor saved because what decides their KV besides token ids '
      'cannot be named in a key (reason: mm_unidentified, lora_unreadable, error_<exception>)'),
