@@ -367,13 +367,16 @@ class LocalDiskBackend(StorageBackend):
 
     def _commit(self, tmp: str, final: str, size: int) -> bool:
         """Renames a written chunk file into place, in one transaction with the evictions the shared cap
-        needs for it (another process's files only when the directory would be over its cap)."""
+        needs for it (another process's files only when the directory would be over its cap). Another
+        writer of the same key may have committed its file meanwhile (both found none when they began):
+        ours replaces it, and only the difference is counted, so the key's bytes count once."""
         with self._budget.transaction() as usage:
-            over = usage.used + size - self.max_bytes
+            over = usage.used + size - _regular_file_size(final) - self.max_bytes
             if over > 0 and not self._evict(over, usage):
                 return False
+            replaced = _regular_file_size(final)  # (the eviction may just have removed it)
             os.rename(tmp, final)
-            usage.used += size
+            usage.used += size - replaced
             return True
 
     def _no_direct_io(self, what: str) -> None:
@@ -405,6 +408,15 @@ class LocalDiskBackend(StorageBackend):
     def gauges(self) -> dict[str, float]:
         return {"resident_chunks": len(self._index), "used_bytes": self._used,
                 "capacity_bytes": self.max_bytes}
+
+
+def _regular_file_size(path: str) -> int:
+    """The size of the regular file at `path`; 0 when there is none (or something else is there)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _release_result(cfut: Future) -> None:
