@@ -31,8 +31,9 @@ owned by this user, refused otherwise) and are chmod 0600; the server drops any 
 lookup can be (`zmq.MAXMSGSIZE`), checks every field (a start beyond the tokens sent, more tokens than
 `max_tokens` (vLLM's max_model_len), bytes that do not parse) and answers anything it refuses, or an
 answer that does not fit the wire, with an error reply (0 hits; -1 to a command). No message can stop
-the server thread; should its loop fail anyway (a ZMQ error), it is counted and serves again. With pipeline parallelism every (pp, tp) rank serves its own socket and the
-client takes the minimum over all of them (a prefix is usable only if every stage holds its layers).
+the server thread; should its loop fail anyway (a ZMQ error), it is counted and serves again. With
+pipeline parallelism every (pp, tp) rank serves its own socket and the client takes the minimum over
+all of them (a prefix is usable only if every stage holds its layers).
 """
 from __future__ import annotations
 
