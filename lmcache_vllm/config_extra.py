@@ -44,6 +44,11 @@ class ExtraConfig:
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")
+    local_disk_shared: bool = setting(False, "the local_disk directory is shared with other users: it may "
+                                             "be owned by another user or writable by its group or everyone, "
+                                             "and is used as it is. False: such a directory is refused at "
+                                             "start, since whoever can write it can plant chunks the model "
+                                             "reads (shared: set a chunk MAC key, see docs/SECURITY.md)")
     # L3 Redis
     remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis key we write")
     remote_ttl_secs: Optional[float] = setting(None, "expiry of stored chunks in Redis; null: never",

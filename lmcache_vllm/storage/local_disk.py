@@ -42,7 +42,7 @@ import xxhash
 
 from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
-from lmcache_vllm.storage import chunk_file, codec
+from lmcache_vllm.storage import chunk_file, codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
 
@@ -73,7 +73,7 @@ class LocalDiskBackend(StorageBackend):
 
     def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
                  fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
-                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None):
+                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None, shared: bool = False):
         # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
         # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
         # time the file system refuses it (tmpfs does).
@@ -85,9 +85,8 @@ class LocalDiskBackend(StorageBackend):
         self.fsync = fsync
         self.key_filter = key_filter
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        if os.stat(self.path).st_uid == os.getuid():
-            os.chmod(self.path, 0o700)
+        # Created 0700; one another user owns or others can write is refused unless `shared`.
+        disk_dir.prepare_directory(self.path, shared)
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
         self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
@@ -118,7 +117,7 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if not entry.name.endswith(SUFFIX):
                     continue
-                item = self._scan_file(entry)
+                item = self._check_file(entry.name)
                 if item is not None:
                     found.append(item)
         found.sort(key=lambda item: item[0])
@@ -133,21 +132,20 @@ class LocalDiskBackend(StorageBackend):
             if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
                 self._evict(usage.used - self.max_bytes, usage)
 
-    def _scan_file(self, entry: os.DirEntry):
-        try:
-            st = entry.stat()
-        except OSError:
-            return None
-        return self._check_file(entry.name, st)
-
-    def _check_file(self, name: str, st: os.stat_result, expected_key: Optional[str] = None):
+    def _check_file(self, name: str, expected_key: Optional[str] = None):
         """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
-        one of our format is removed; anything else is left alone)."""
+        one of our format is removed; anything else, a symbolic link or FIFO included, is left alone)."""
         try:
-            with open(os.path.join(self.path, name), "rb") as f:
-                head = f.read(codec.MAX_HEADER_SIZE)
+            fd = disk_dir.open_regular(os.path.join(self.path, name))
+        except (OSError, disk_dir.NotRegularFile):
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
         except OSError:
             return None
+        finally:
+            os.close(fd)
         if codec.read_format_version(head) != codec.FORMAT_VERSION:
             return None  # another format (or not ours): leave it alone
         try:
@@ -168,16 +166,10 @@ class LocalDiskBackend(StorageBackend):
 
     def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
         """On an index miss: the key's file written by another live process sharing the directory is
-        indexed (one stat when there is no such file; a header read when there is). `writing`: asked
+        indexed (one failed open when there is no such file; a header read when there is). `writing`: asked
         by our own write of the key, which then skips writing it."""
         name = filename_for(key)
-        try:
-            st = os.stat(os.path.join(self.path, name))
-        except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        item = self._check_file(name, st, key)
+        item = self._check_file(name, key)
         if item is None:
             return None
         with self._lock:

@@ -50,7 +50,8 @@ def build_lower_tiers(config: LMCacheConfig,
         if config.local_disk:
             tiers.append(LocalDiskBackend(
                 config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac))
+                fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac,
+                shared=extra.local_disk_shared))
         if config.remote_url:
             tiers.append(RedisBackend(
                 config.remote_url, prefix=extra.remote_key_prefix, ttl_secs=extra.remote_ttl_secs,
