@@ -88,7 +88,9 @@ def _confirm(question: str) -> bool:
 
 def _run_tool(args: argparse.Namespace) -> int:
     from lmcache_vllm.admin import report as rep
+    from lmcache_vllm.redact import redact_url, remember_secret, url_password
 
+    remember_secret(url_password(getattr(args, "redis", None) or ""))  # never printed from here on
     prefix = getattr(args, "prefix", None) or _default_key_prefix()
     if args.command == "inspect":
         if args.disk:
@@ -100,7 +102,7 @@ def _run_tool(args: argparse.Namespace) -> int:
         print(rep.dumps(result.to_dict()) if args.json else rep.format_report(result))
         return EXIT_CORRUPT if result.num_corrupt else EXIT_OK
     if args.command == "clear":
-        what = f"disk directory {args.disk}" if args.disk else f"Redis {args.redis} (prefix {prefix!r})"
+        what = f"disk directory {args.disk}" if args.disk else f"Redis {redact_url(args.redis)} (prefix {prefix!r})"
         scope = f"chunks of {args.model!r}" if args.model else "every chunk"
         if not (args.yes or args.dry_run) and not _confirm(f"Remove {scope} from {what}?"):
             return EXIT_ABORTED
@@ -156,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             return EXIT_ABORTED
         except Exception as exc:  # unreachable tier, missing directory, server down: one clear line
-            print(f"lmcache-vllm {parsed.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            from lmcache_vllm.redact import redact_text
+
+            print(redact_text(f"lmcache-vllm {parsed.command}: {type(exc).__name__}: {exc}"), file=sys.stderr)
             return EXIT_ERROR
     from lmcache_vllm.integration.vllm.launcher import run_vllm_cli
 

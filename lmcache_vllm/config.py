@@ -31,12 +31,13 @@ from lmcache_vllm.config_lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS,
                                          LMCACHE_EXTRA_PREFIXES, LMCACHE_KEYS, MAPPED, MOONCAKE_KEYS, NOOP,
                                          KeyRule)
 from lmcache_vllm.config_schema import (ConfigError, Origin, Problem, at_least, check_setting,
-                                        did_you_mean, field_types, greater_than, masked, normalize_fields,
-                                        parse_setting, parse_value, raise_if_any, setting, size_gib)
+                                        did_you_mean, field_types, greater_than, normalize_fields, parse_setting,
+                                        parse_value, raise_if_any, redacted_repr, setting, size_gib)
 from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, OVERRIDES_SOURCE, Entry, code_entries,
                                          env_entries, read_yaml)
 from lmcache_vllm.config_values import (normalize_local_disk, remote_url_problem, translate_lmcache_value,
                                         with_credentials)
+from lmcache_vllm.redact import MASK, is_secret_key, redact_text, redact_value, remember_secret, url_password
 
 __all__ = ["ConfigError", "ExtraConfig", "LMCacheConfig", "load_config", "inspect_config", "CONFIG_FILE_ENV",
            "ENV_PREFIX"]
@@ -97,7 +98,12 @@ class LMCacheConfig:
         if not isinstance(self.extra_config, ExtraConfig):
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
+        if isinstance(self.remote_url, str):
+            remember_secret(url_password(self.remote_url))  # from now on redacted from any text we show
         raise_if_any(problems)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     @property
     def max_local_cpu_bytes(self) -> int:
@@ -112,11 +118,12 @@ class LMCacheConfig:
 
     def summary(self) -> str:
         """One line with every top-level key and the extra_config keys that differ from their default
-        (for the start-up log; a password in remote_url is masked)."""
-        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+        (for the start-up log; secrets redacted: see redact.py)."""
+        parts = [f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self)
                  if f.name != "extra_config"]
         defaults = ExtraConfig()
-        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
+        changed = {f.name: redact_value(f.name, getattr(self.extra_config, f.name))
+                   for f in dataclasses.fields(ExtraConfig)
                    if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
         return ", ".join(parts + [f"extra_config={changed!r}"])
 
@@ -286,7 +293,8 @@ class _Loader:
         hint = did_you_mean(key, entry.value, candidates)
         message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
                    f"unknown key: neither lmcache-vllm nor LMCache has it (README.md lists every key)")
-        self.problems.append(Problem(name, entry.value, message, entry.origin))
+        value = MASK if hint and is_secret_key(hint) else entry.value  # a misspelt secret is one still
+        self.problems.append(Problem(name, value, message, entry.origin))
 
     def environment(self, others: list[Entry]) -> None:
         """LMCACHE_* variables that name no key: LMCache's own are ignored with a warning, the rest are
@@ -363,7 +371,7 @@ def build_extra(mapping: Any, origin: Origin, problems: list[Problem]) -> ExtraC
     loader._features()
     problems += loader.problems
     for warning in loader.warnings:
-        logger.warning("lmcache-vllm config: %s", warning)
+        logger.warning("lmcache-vllm config: %s", redact_text(warning))
     return ExtraConfig(**loader.extra)
 
 
@@ -380,7 +388,7 @@ def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
         loader.top(entry)
     loader.environment(others)
     config = loader.finish()
-    return ConfigReport(config, loader.problems, loader.warnings)
+    return ConfigReport(config, loader.problems, [redact_text(w) for w in loader.warnings])
 
 
 def load_config(overrides: Optional[Mapping[str, Any]] = None, *,

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_vllm.config_schema import (at_least, greater_than, normalize_fields, raise_if_any, setting,
-                                        size_gib)
+from lmcache_vllm.config_schema import (at_least, greater_than, normalize_fields, raise_if_any, redacted_repr,
+                                        setting, size_gib)
+from lmcache_vllm.redact import remember_secret
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
@@ -78,3 +79,7 @@ class ExtraConfig:
 
     def __post_init__(self):
         raise_if_any(normalize_fields(self, prefix="extra_config."))
+        remember_secret(self.chunk_mac_key)  # from now on redacted from any text we show
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+from lmcache_vllm.redact import redact_text, redact_value
+
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 NONE_WORDS = ("", "none", "null", "~")
@@ -50,9 +52,9 @@ class Problem:
     origin: Optional[Origin] = None
 
     def __str__(self) -> str:
-        head = self.key if self.value is MISSING else f"{self.key}={masked(self.value)!r}"
+        head = self.key if self.value is MISSING else f"{self.key}={redact_value(self.key, self.value)!r}"
         where = f" ({self.origin})" if self.origin is not None else ""
-        return f"{head}{where}: {self.message}"
+        return f"{head}{where}: {redact_text(self.message)}"
 
 
 class ConfigError(ValueError):
@@ -74,16 +76,11 @@ class ConfigError(ValueError):
         return {p.key for p in self.problems}
 
 
-def masked(value: Any) -> Any:
-    """A URL with its password replaced by *** (for errors and logs); anything else unchanged."""
-    if isinstance(value, str) and "://" in value:
-        scheme, rest = value.split("://", 1)
-        netloc, sep, tail = rest.partition("/")
-        if "@" in netloc:
-            userinfo, host = netloc.rsplit("@", 1)
-            if ":" in userinfo:
-                return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{sep}{tail}"
-    return value
+def redacted_repr(obj: Any) -> str:
+    """`Name(field=value, ...)` of a settings dataclass, secrets redacted (see `redact.py`)."""
+    fields = ", ".join(f"{f.name}={redact_value(f.name, getattr(obj, f.name))!r}"
+                       for f in dataclasses.fields(obj))
+    return f"{type(obj).__name__}({fields})"
 
 
 def raise_if_any(problems: Sequence[Problem]) -> None:

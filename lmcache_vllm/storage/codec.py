@@ -44,6 +44,7 @@ import torch
 import xxhash
 
 from lmcache_vllm import metrics
+from lmcache_vllm.redact import remember_secret
 
 MAGIC = b"LMCV"
 FORMAT_VERSION = 2
@@ -94,6 +95,7 @@ class ChunkMac:
         import blake3
 
         material = secret.encode() if isinstance(secret, str) else bytes(secret)
+        remember_secret(secret)  # redacted from any text we show from now on
         if not material:
             raise ValueError("the chunk MAC secret is empty")
         self._blake3 = blake3.blake3

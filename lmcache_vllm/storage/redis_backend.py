@@ -32,8 +32,14 @@ from redis.exceptions import RedisError
 
 from lmcache_vllm import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.redact import redact_text, redact_url, remember_secret, url_password
 from lmcache_vllm.storage import codec
-from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.base import (
+    AllocFn,
+    StorageBackend,
+    gather_owned,
+    release_objs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,7 @@ class RedisBackend(StorageBackend):
                  read_batch_keys: int = 8, breaker_base_secs: float = 0.5, breaker_max_secs: float = 30.0,
                  mac: Optional[codec.ChunkMac] = None):
         self.url = url
+        remember_secret(url_password(url))  # redacted from any text we show from now on
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
         self.prefix = prefix
         self.ttl_ms = int(ttl_secs * 1000) if ttl_secs else None
@@ -84,6 +91,9 @@ class RedisBackend(StorageBackend):
             socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0))
         self._client = aioredis.Redis(connection_pool=pool)
 
+    def __repr__(self) -> str:
+        return f"RedisBackend({redact_url(self.url)!r}, prefix={self.prefix!r})"
+
     # ---- circuit breaker ------------------------------------------------------------------------
     @property
     def breaker_open(self) -> bool:
@@ -100,14 +110,14 @@ class RedisBackend(StorageBackend):
 
     def _succeeded(self) -> None:
         if self._retry_at is not None:
-            logger.info("redis at %s reachable again", self._client.connection_pool)
+            logger.info("redis at %s reachable again", redact_url(self.url))
         self._retry_at, self._failures, self._probing = None, 0, False
 
     def _failed(self, exc: BaseException) -> None:
         delay = min(self.breaker_max, self.breaker_base * (2 ** self._failures))
         if self._failures == 0:
             logger.warning("redis call failed (%s: %s); treating redis as down for %.1fs",
-                           type(exc).__name__, exc, delay)
+                           type(exc).__name__, redact_text(str(exc)), delay)
         self._failures += 1
         self._retry_at = time.monotonic() + delay
         self._probing = False
