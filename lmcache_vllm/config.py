@@ -30,11 +30,11 @@ from lmcache_vllm.config_extra import ExtraConfig
 from lmcache_vllm.config_lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
                                          LMCACHE_EXTRA_PREFIXES, LMCACHE_KEYS, MAPPED, MOONCAKE_KEYS, NOOP,
                                          KeyRule)
-from lmcache_vllm.config_schema import (ConfigError, Origin, Problem, at_least, check_setting,
+from lmcache_vllm.config_schema import (MISSING, ConfigError, Origin, Problem, at_least, check_setting,
                                         did_you_mean, field_types, greater_than, normalize_fields, parse_setting,
                                         parse_value, raise_if_any, redacted_repr, setting, size_gib)
 from lmcache_vllm.config_sources import (CONFIG_FILE_ENV, ENV_PREFIX, OVERRIDES_SOURCE, Entry, code_entries,
-                                         env_entries, read_yaml)
+                                         env_entries, read_yaml, value_problem)
 from lmcache_vllm.config_values import (normalize_local_disk, remote_url_problem, translate_lmcache_value,
                                         with_credentials)
 from lmcache_vllm.redact import MASK, is_secret_key, redact_text, redact_value, remember_secret, url_password
@@ -189,10 +189,19 @@ class _Loader:
     def warn(self, name: str, entry: Entry, text: str) -> None:
         self.warnings.append(f"{name} ({entry.origin}): {text}")
 
+    def _unbounded(self, name: str, entry: Entry) -> bool:
+        """A value too large or deep to handle (see config_sources) is one problem, shown without it."""
+        message = value_problem(entry.value)
+        if message is not None:
+            self.problems.append(Problem(name, MISSING, f"its value is {message}", entry.origin))
+        return message is not None
+
     def top(self, entry: Entry) -> None:
         key = entry.key
         if not isinstance(key, str):
-            self.problems.append(Problem(repr(key), entry.value, "keys must be strings", entry.origin))
+            self.problems.append(Problem(repr(key)[:100], MISSING, "keys must be strings", entry.origin))
+            return
+        if self._unbounded(key, entry):
             return
         if entry.origin.source == OVERRIDES_SOURCE and key.startswith("lmcache."):
             key, entry = key[len("lmcache."):], replace(entry, key=key[len("lmcache."):])  # LMCache's prefix
@@ -238,6 +247,8 @@ class _Loader:
 
     def extra_key(self, entry: Entry) -> None:
         key = entry.key
+        if self._unbounded(f"extra_config.{key}"[:100], entry):
+            return
         if isinstance(key, str) and key in EXTRA_FIELDS:
             self._take(EXTRA_FIELDS[key], EXTRA_TYPES[key], f"extra_config.{key}", entry, self.extra)
         elif isinstance(key, str) and key in LMCACHE_EXTRA_KEYS:

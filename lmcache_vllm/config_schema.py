@@ -168,7 +168,7 @@ def parse_value(value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             try:
                 value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:  # (nested beyond the stack)
                 raise ValueError(f"expected a JSON object: {exc}") from None
         if isinstance(value, Mapping):
             return dict(value)
@@ -180,7 +180,7 @@ def parse_value(value: Any, tp: Any) -> Any:
             if text.startswith("["):
                 try:
                     value = json.loads(text)
-                except json.JSONDecodeError as exc:
+                except (json.JSONDecodeError, RecursionError) as exc:
                     raise ValueError(f"expected a JSON list: {exc}") from None
             else:
                 value = [part.strip() for part in text.split(",") if part.strip()]
