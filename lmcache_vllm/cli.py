@@ -12,7 +12,9 @@
     lmcache-vllm ping --redis URL [--json]
         connects (TLS, AUTH as the URL says) and measures the round trip;
     lmcache-vllm stats --url http://HOST:PORT [--json]
-        our part of a running server's /metrics as tables.
+        our part of a running server's /metrics as tables;
+    lmcache-vllm keygen
+        prints a fresh random secret for the chunk MAC (LMCACHE_VLLM_CHUNK_MAC_KEY; docs/SECURITY.md).
 
 The tools live in `lmcache_vllm/admin/`. Exit codes: see `EXIT_*`.
 """
@@ -37,6 +39,7 @@ USAGE = """usage: lmcache-vllm serve MODEL [vllm serve options...]
        lmcache-vllm clear --disk DIR | --redis URL [--model NAMESPACE] [--yes] [--dry-run] [--json]
        lmcache-vllm ping --redis URL [--json]
        lmcache-vllm stats --url http://HOST:PORT [--json]
+       lmcache-vllm keygen   (a fresh chunk MAC secret: export LMCACHE_VLLM_CHUNK_MAC_KEY=$(lmcache-vllm keygen))
        lmcache-vllm VLLM_SUBCOMMAND [...]   (passed to vLLM's CLI unchanged)"""
 
 
@@ -144,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return EXIT_OK if args else EXIT_USAGE
+    if args[0] == "keygen":
+        import secrets
+
+        print(secrets.token_urlsafe(32))  # 256 random bits, printable, no quoting needed in a shell
+        return EXIT_OK
     if args[0] == "build-model":
         from lmcache_vllm.testing.local_model import main as build_main
 

@@ -144,6 +144,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
     _g("resident_chunks", "chunks", "Chunks a tier holds now", _T),
+    _g("unprotected_shared_tier", "state", "1 while a tier others can write (Redis; a disk directory "
+       "configured as shared) stores chunks without a keyed MAC: whoever can write it can plant KV the "
+       "model reads (set LMCACHE_VLLM_CHUNK_MAC_KEY), else 0", _T, agg="max"),
     _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
        "once), else 0", _T, agg="max"),
     _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),

@@ -124,6 +124,10 @@ STABLE = [
      'Bytes a tier may use'),
     ("resident_chunks", "gauge", ('tier',),
      'Chunks a tier holds now'),
+    ("unprotected_shared_tier", "gauge", ('tier',),
+     '1 while a tier others can write (Redis; a disk directory configured as shared) stores chunks '
+     'without a keyed MAC: whoever can write it can plant KV the model reads (set '
+     'LMCACHE_VLLM_CHUNK_MAC_KEY), else 0'),
     ("breaker_open", "gauge", ('tier',),
      "1 while the tier's circuit breaker is open (calls answer misses at once), else 0"),
     ("write_queue_pending", "gauge", (),

@@ -87,6 +87,7 @@ class LocalDiskBackend(StorageBackend):
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
         # Created 0700; one another user owns or others can write is refused unless `shared`.
         disk_dir.prepare_directory(self.path, shared)
+        self.shared = shared  # others may write it: without `mac`, they can plant chunks
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
         self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
@@ -399,7 +400,7 @@ class LocalDiskBackend(StorageBackend):
 
     def gauges(self) -> dict[str, float]:
         return {"resident_chunks": len(self._index), "used_bytes": self._used,
-                "capacity_bytes": self.max_bytes}
+                "capacity_bytes": self.max_bytes, "unprotected_shared_tier": int(self.shared and self.mac is None)}
 
 
 def _regular_file_size(path: str) -> int:

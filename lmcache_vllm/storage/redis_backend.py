@@ -312,4 +312,4 @@ class RedisBackend(StorageBackend):
         self._encode_pool.shutdown(wait=True)
 
     def gauges(self) -> dict[str, float]:
-        return {"breaker_open": int(self.breaker_open)}
+        return {"breaker_open": int(self.breaker_open), "unprotected_shared_tier": int(self.mac is None)}
