@@ -11,6 +11,7 @@ of them. Nothing here knows any particular key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -106,8 +107,10 @@ def field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
-    """The resolved type of every field of a dataclass (annotations may be strings)."""
+    """The resolved type of every field of a dataclass (annotations may be strings; resolving them
+    compiles each one, so it is done once per class). Do not change the dict returned."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -296,6 +299,8 @@ def did_you_mean(name: str, value: Any, candidates: Mapping[str, Any]) -> Option
     limit = 1 if len(name) <= 5 else 2
     best: Optional[tuple[int, str]] = None
     for candidate, tp in candidates.items():
+        if abs(len(name) - len(candidate)) > limit:
+            continue  # at least that many edits apart (and a long key would cost len x len steps)
         distance = edit_distance(name.lower(), candidate)
         if distance > limit or (best is not None and distance >= best[0]):
             continue

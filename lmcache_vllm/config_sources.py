@@ -29,6 +29,8 @@ MAX_DEPTH = 20
 MAX_ALIASES = 100
 MAX_NODES = 10_000
 MAX_VALUE_CHARS = 64 << 10
+# libyaml's parser where PyYAML was built with it (several times faster), else PyYAML's own.
+_EVENT_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 ENV_PREFIX = "LMCACHE_"
 OVERRIDES_SOURCE = "kv_connector_extra_config"
 
@@ -86,7 +88,11 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
     if refused is not None:
         problems.append(Problem(CONFIG_FILE_ENV, path, refused, file_origin(path)))
         return []
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:  # the reader refuses control characters at once
+        problems.append(_not_yaml(path, exc))
+        return []
     try:
         root = loader.get_single_node()
         expanded = _expanded_nodes(root)
@@ -103,13 +109,20 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
             return []
         return _entries(loader, root, path, problems, depth=0)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problems.append(Problem(CONFIG_FILE_ENV, path, f"not valid YAML: {exc}".replace("\n", " "),
-                                file_origin(path, line)))
+        problems.append(_not_yaml(path, exc))
+        return []
+    except RecursionError:  # (the event scan refuses deep nesting first; this is in case it could not)
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"nested deeper than {MAX_DEPTH} levels: refused",
+                                file_origin(path)))
         return []
     finally:
         loader.dispose()
+
+
+def _not_yaml(path: str, exc: yaml.YAMLError) -> Problem:
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    return Problem(CONFIG_FILE_ENV, path, f"not valid YAML: {exc}".replace("\n", " "), file_origin(path, line))
 
 
 def _yaml_shape_problem(text: str) -> Optional[str]:
@@ -117,7 +130,7 @@ def _yaml_shape_problem(text: str) -> Optional[str]:
     machine: no recursion, unlike composing), or None."""
     depth = aliases = 0
     try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        for event in yaml.parse(text, Loader=_EVENT_LOADER):
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 depth += 1
                 if depth > MAX_DEPTH:
@@ -128,7 +141,9 @@ def _yaml_shape_problem(text: str) -> Optional[str]:
                 aliases += 1
                 if aliases > MAX_ALIASES:
                     return f"more than {MAX_ALIASES} aliases (*name): refused"
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        if "nesting depth" in str(exc):  # libyaml's own limit, lower than the stack's
+            return f"nested deeper than {MAX_DEPTH} levels: refused"
         return None  # composing reports it, with its line
     return None
 
