@@ -130,7 +130,8 @@ def craft_chunk(key: str, shape, *, dtype_code: int = 3, payload: bytes = b"", p
     fixed = struct.pack(f"<4sHHIIIQQ{codec.MAC_SIZE}s", codec.MAGIC, fmt, dtype_code, len(key_bytes),
                         len(shape), header_len, payload_len, codec.checksum(payload), bytes(codec.MAC_SIZE))
     header = fixed + struct.pack("<I", xxhash.xxh32_intdigest(fixed + body)) + body
-    return header + bytes(max(0, header_len - len(header))) + payload
+    padding = header_len - len(header) if header_len <= 2 * codec.MAX_HEADER_LEN else 0  # (else: cut short)
+    return header + bytes(max(0, padding)) + payload
 
 
 @pytest.mark.parametrize("shape,payload_len", [
