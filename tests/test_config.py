@@ -320,3 +320,11 @@ def test_oversized_or_deep_values_from_env_and_code_are_refused(environ, overrid
     for env, over in ((environ, overrides), ({}, {"extra_config": nested}), ({}, {"not_a_key": nested})):
         with pytest.raises(ConfigError):
             load_config(over, environ=env)
+
+
+@pytest.mark.timeout(60)
+def test_control_characters_and_long_unknown_keys_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):  # the reader refuses it before parsing
+        load_config(environ=write_yaml(tmp_path, "chunk_size: 256\n\x1f\n"))
+    with pytest.raises(ConfigError, match="unknown key"):  # no len x len edit distance per known key
+        load_config({"k" * 60000: 1}, environ={})
