@@ -19,8 +19,11 @@ STABLE = [
     ("lookup_timeouts", "counter", (),
      'Lookups that timed out and counted as 0 hits'),
     ("lookup_rejected", "counter", (),
-     'Lookup messages a worker refused: malformed, or more tokens than max_model_len (answered'
-     ' 0 hits or dropped)'),
+     'Lookup messages a worker refused: malformed, a field out of range, more tokens than '
+     'max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 to a command)'),
+    ("lookup_server_restarts", "counter", (),
+     "Times a worker's lookup server loop failed outside any one message (a ZMQ error) and started "
+     "serving again"),
     ("uncacheable_requests", "counter", ('reason',),
      'Requests neither looked up nor saved because what decides their KV besides token ids '
      'cannot be named in a key (reason: mm_unidentified, lora_unreadable, error_<exception>)'),
@@ -127,6 +130,10 @@ STABLE = [
      'Bytes a tier may use'),
     ("resident_chunks", "gauge", ('tier',),
      'Chunks a tier holds now'),
+    ("unprotected_shared_tier", "gauge", ('tier',),
+     '1 while a tier others can write (Redis; a disk directory configured as shared) stores chunks '
+     'without a keyed MAC: whoever can write it can plant KV the model reads (set '
+     'LMCACHE_VLLM_CHUNK_MAC_KEY), else 0'),
     ("breaker_open", "gauge", ('tier',),
      "1 while the tier's circuit breaker is open (calls answer misses at once), else 0"),
     ("write_queue_pending", "gauge", (),

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_vllm.config.fields import at_least, greater_than, normalize_fields, raise_if_any, setting, size_gib
+from lmcache_vllm.config.fields import (at_least, greater_than, normalize_fields, raise_if_any, redacted_repr, setting,
+                                        size_gib)
+from lmcache_vllm.config.redact import remember_secret
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
@@ -43,6 +45,11 @@ class ExtraConfig:
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")
+    local_disk_shared: bool = setting(False, "the local_disk directory is shared with other users: it may "
+                                             "be owned by another user or writable by its group or everyone, "
+                                             "and is used as it is. False: such a directory is refused at "
+                                             "start, since whoever can write it can plant chunks the model "
+                                             "reads (shared: set a chunk MAC key, see docs/SECURITY.md)")
     # L3 Redis
     remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis key we write")
     remote_ttl_secs: Optional[float] = setting(None, "expiry of stored chunks in Redis; null: never",
@@ -73,8 +80,16 @@ class ExtraConfig:
                                                  "and in Redis: chunks without a valid MAC are misses and "
                                                  "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
                                                  "variable (vLLM logs kv_connector_extra_config)")
+    require_chunk_mac: bool = setting(False, "refuse to start when a tier others can write (remote_url; a "
+                                             "local_disk with local_disk_shared) would store chunks without a "
+                                             "MAC key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: "
+                                             "start with one warning (see docs/SECURITY.md)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 
     def __post_init__(self):
         raise_if_any(normalize_fields(self, prefix="extra_config."))
+        remember_secret(self.chunk_mac_key)  # from now on redacted from any text we show
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)

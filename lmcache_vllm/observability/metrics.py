@@ -65,8 +65,11 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
        "server lives in the scheduler's process", scope="engine"),
     _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
-    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, or more tokens than "
-       "max_model_len (answered 0 hits or dropped)"),
+    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, a field out of range, "
+       "more tokens than max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 "
+       "to a command)"),
+    _c("lookup_server_restarts", "events", "Times a worker's lookup server loop failed outside any one "
+       "message (a ZMQ error) and started serving again"),
     _c("uncacheable_requests", "requests", "Requests neither looked up nor saved because what decides "
        "their KV besides token ids cannot be named in a key (reason: mm_unidentified, lora_unreadable, "
        "error_<exception>)", ("reason",), scope="engine"),
@@ -145,6 +148,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
     _g("resident_chunks", "chunks", "Chunks a tier holds now", _T),
+    _g("unprotected_shared_tier", "state", "1 while a tier others can write (Redis; a disk directory "
+       "configured as shared) stores chunks without a keyed MAC: whoever can write it can plant KV the "
+       "model reads (set LMCACHE_VLLM_CHUNK_MAC_KEY), else 0", _T, agg="max"),
     _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
        "once), else 0", _T, agg="max"),
     _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),
