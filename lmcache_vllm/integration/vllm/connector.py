@@ -71,6 +71,8 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
 
     caches = list(kv_caches.values())
     kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
+    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
     identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
