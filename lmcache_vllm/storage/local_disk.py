@@ -1,11 +1,9 @@
 """L2: one file per chunk in a local directory, with a size cap, LRU eviction and a start-up re-index.
 
-- File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
-  (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
-- Contents: `codec` header padded to 4 KiB, then the raw payload. Written to a `.tmp-*` file (mode 0600,
-  directory 0700) with `O_DIRECT` straight from the MemoryObj's bytes where the file system allows it
-  (else one `os.writev` of header + bytes through the page cache), then renamed into place, so a
-  reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
+- A chunk file's name and contents, and what makes one valid: `chunk_file.py`. Written to a `.tmp-*`
+  file (mode 0600, directory 0700) with `O_DIRECT` straight from the MemoryObj's bytes where the file
+  system allows it (else one `os.writev` of header + bytes through the page cache), then renamed into
+  place, so a reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
   store as dropped.
 - Reads run on a thread pool (several threads: parallel cold reads are ~3x faster than one on this
   machine): `pread` of the header, allocation of a MemoryObj of the right shape, `preadv` of the payload
@@ -18,10 +16,10 @@
   while the directory is under its cap. It evicts, least recently used first, the files it wrote or
   found at start-up (nobody was known to use them), then those it adopted from live processes, then
   chunk files it does not know, oldest first.
-- Start-up: the directory is scanned and every header read; our files (right magic and format version,
+- Start-up: the directory is scanned and every header read; our files (valid by `chunk_file.check_file`,
   accepted by `key_filter`, e.g. the same model) are indexed oldest-mtime first; files of another
-  format version or rejected by the filter are left alone and not counted; corrupt files of our format
-  are removed; temp files older than an hour (a crashed writer's) are removed.
+  format version, misnamed or rejected by the filter are left alone and not counted; corrupt files of
+  our format are removed; stale temp files (a crashed writer's, `chunk_file.STALE_TMP_SECS`) are removed.
 """
 
 from __future__ import annotations
@@ -36,38 +34,17 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
-from urllib.parse import quote, unquote
-
-import xxhash
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import chunk_file, codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
+from lmcache_vllm.storage.chunk_file import HEADER_ALIGN, SUFFIX, TMP_PREFIX, filename_for, key_from_filename
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
 from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
-
-SUFFIX = ".lmc"
-TMP_PREFIX = ".tmp-"
-HEADER_ALIGN = 4096
-_MAX_NAME = 200
-_STALE_TMP_SECS = 3600.0
-
-
-def filename_for(key: str) -> str:
-    name = quote(key, safe="@") + SUFFIX
-    if len(name) > _MAX_NAME:
-        return "h-" + xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
-    return name
-
-
-def _key_from_filename(name: str) -> Optional[str]:
-    if name.startswith("h-") or not name.endswith(SUFFIX):
-        return None  # hashed names: the key comes from the header
-    return unquote(name[:-len(SUFFIX)])
 
 
 class LocalDiskBackend(StorageBackend):
@@ -128,7 +105,7 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if entry.name.startswith(TMP_PREFIX):
                     try:  # another live process may be renaming it right now
-                        stale = now - entry.stat().st_mtime > _STALE_TMP_SECS
+                        stale = chunk_file.is_stale_tmp(entry.name, entry.stat().st_mtime, now)
                     except OSError:
                         continue
                     if stale:
@@ -165,22 +142,18 @@ class LocalDiskBackend(StorageBackend):
             return None
         finally:
             os.close(fd)
-        if codec.read_format_version(head) != codec.FORMAT_VERSION:
-            return None  # another format (or not ours): leave it alone
+        def accept(key: str) -> bool:  # not a hashed name's other key, nor e.g. another model's chunk
+            return (expected_key is None or key == expected_key) and (self.key_filter is None or self.key_filter(key))
+
         try:
-            header = codec.parse_header(head)
+            header = chunk_file.check_file(name, head, st.st_size, accept)
+        except chunk_file.MisnamedFile:
+            return None  # not where its key's file would be: leave it alone
         except codec.CorruptEntry:
             self._drop_corrupt(name, st.st_size)
             return None
-        if filename_for(header.key) != name:
-            return None
-        if expected_key is not None and header.key != expected_key:
-            return None  # a hashed name shared by two keys: not the chunk asked for
-        if self.key_filter is not None and not self.key_filter(header.key):
-            return None  # e.g. another model's chunks
-        if st.st_size != header.header_len + header.payload_len:
-            self._drop_corrupt(name, st.st_size)
-            return None
+        if header is None:
+            return None  # another format, not ours, or not accepted: leave it alone
         return (st.st_mtime, header.key, name, st.st_size)
 
     def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
@@ -218,7 +191,7 @@ class LocalDiskBackend(StorageBackend):
                 usage.used -= size
             else:
                 self._budget.release(size)
-            key = _key_from_filename(name)
+            key = key_from_filename(name)
             if key is not None:  # (a hashed name's key is in its header: no event)
                 kv_events.removed(key, self.name.medium)
         return True
