@@ -53,12 +53,7 @@ class LocalDiskBackend(StorageBackend):
     @classmethod
     def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
                     mac: Optional[codec.ChunkMac] = None) -> Optional[LocalDiskBackend]:
-        if not config.local_disk:
-            return None
-        extra = config.extra_config
-        return cls(config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                   fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac,
-                   shared=extra.local_disk_shared)
+        return cls(config, key_filter=key_filter, mac=mac) if config.local_disk else None
 
     @classmethod
     def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
@@ -66,32 +61,36 @@ class LocalDiskBackend(StorageBackend):
             return f"{config.local_disk} is configured as shared with other users"
         return None
 
-    def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
-                 fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
-                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None, shared: bool = False):
+    def __init__(self, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
+                 mac: Optional[codec.ChunkMac] = None):
+        """The directory `config.local_disk` capped at `max_local_disk_size`, with the `extra_config.disk_*`
+        settings and `local_disk_shared`; `key_filter(key)`: whether a chunk found there is ours to use
+        (e.g. this model's); `mac`: the keyed MAC of every chunk written and required of every chunk read."""
+        extra = config.extra_config
+        if not config.local_disk:
+            raise ValueError("LocalDiskBackend needs local_disk")
         # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
         # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
         # time the file system refuses it (tmpfs does).
-        self.direct_io = bool(direct_io) and hasattr(os, "O_DIRECT")
-        if path.startswith("file://"):
-            path = path[len("file://"):]
-        self.path = os.path.abspath(path)
-        self.max_bytes = int(max_bytes)
-        self.fsync = fsync
+        self.direct_io = extra.disk_direct_io and hasattr(os, "O_DIRECT")
+        self.path = os.path.abspath(config.local_disk)
+        self.max_bytes = config.max_local_disk_bytes
+        self.fsync = extra.disk_fsync
         self.key_filter = key_filter
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
         # Created 0700; one another user owns or others can write is refused unless `shared`.
-        disk_dir.prepare_directory(self.path, shared)
-        self.shared = shared  # others may write it: without `mac`, they can plant chunks
+        self.shared = extra.local_disk_shared  # others may write it: without `mac`, they can plant chunks
+        disk_dir.prepare_directory(self.path, self.shared)
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
         self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
         self._mine: set[str] = set()  # keys of files we wrote or found at start-up (evicted first)
         self._writing: set[str] = set()
         self._budget = SharedDiskBudget(self.path, self.max_bytes)
-        self._read_pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmcache-disk-read")
+        self._read_pool = ThreadPoolExecutor(extra.disk_io_threads, thread_name_prefix="lmcache-disk-read")
         self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
-        self._write_pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="lmcache-disk-write")
+        # A write thread per write-through worker of the manager: each has one put in flight at a time.
+        self._write_pool = ThreadPoolExecutor(extra.write_workers, thread_name_prefix="lmcache-disk-write")
         self._closed = False
         self._scan()
 
