@@ -9,6 +9,7 @@
   machine): `pread` of the header, allocation of a MemoryObj of the right shape, `preadv` of the payload
   straight into the MemoryObj's bytes, checksum. A corrupt or truncated file is a miss and is deleted.
   Eviction may unlink a file a reader has open; POSIX keeps the open file readable, so that is safe.
+- What it holds (key -> file, LRU order, its own files, writes under way): `disk_index.DiskIndex`.
 - Several live processes may share the directory: a key missing from the index is looked up as a
   file (one stat) before it counts as a miss, and a valid file is adopted into the index; a write of a
   key whose file another process wrote already is skipped. They share one cap (`disk_budget.py`): only
@@ -31,7 +32,6 @@ import stat
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
@@ -42,6 +42,7 @@ from lmcache_vllm.storage import chunk_file, codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
 from lmcache_vllm.storage.chunk_file import HEADER_ALIGN, SUFFIX, TMP_PREFIX, filename_for, key_from_filename
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
+from lmcache_vllm.storage.disk_index import DiskIndex, Entry
 from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -81,11 +82,8 @@ class LocalDiskBackend(StorageBackend):
         # Created 0700; one another user owns or others can write is refused unless `shared`.
         self.shared = extra.local_disk_shared  # others may write it: without `mac`, they can plant chunks
         disk_dir.prepare_directory(self.path, self.shared)
-        self._lock = threading.Lock()
-        self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
-        self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
-        self._mine: set[str] = set()  # keys of files we wrote or found at start-up (evicted first)
-        self._writing: set[str] = set()
+        self._lock = threading.Lock()  # (for `_reads_in_flight`)
+        self._index = DiskIndex()
         self._budget = SharedDiskBudget(self.path, self.max_bytes)
         self._read_pool = ThreadPoolExecutor(extra.disk_io_threads, thread_name_prefix="lmcache-disk-read")
         self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
@@ -117,9 +115,7 @@ class LocalDiskBackend(StorageBackend):
                     found.append(item)
         found.sort(key=lambda item: item[0])
         for _, key, name, size in found:
-            self._index[key] = (name, size)
-            self._mine.add(key)
-            self._used += size
+            self._index.add(key, (name, size), mine=True)
             kv_events.stored(key, self.name.medium)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
         with self._budget.transaction() as usage:
@@ -127,7 +123,7 @@ class LocalDiskBackend(StorageBackend):
             if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
                 self._evict(usage.used - self.max_bytes, usage)
 
-    def _check_file(self, name: str, expected_key: Optional[str] = None):
+    def _check_file(self, name: str, expected_key: Optional[str] = None) -> Optional[tuple[float, str, str, int]]:
         """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
         one of our format is removed; anything else, a symbolic link or FIFO included, is left alone)."""
         try:
@@ -155,7 +151,7 @@ class LocalDiskBackend(StorageBackend):
             return None  # another format, not ours, or not accepted: leave it alone
         return (st.st_mtime, header.key, name, st.st_size)
 
-    def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
+    def _adopt(self, key: str, writing: bool = False) -> Optional[Entry]:
         """On an index miss: the key's file written by another live process sharing the directory is
         indexed (one failed open when there is no such file; a header read when there is). `writing`: asked
         by our own write of the key, which then skips writing it."""
@@ -163,15 +159,11 @@ class LocalDiskBackend(StorageBackend):
         item = self._check_file(name, key)
         if item is None:
             return None
-        with self._lock:
-            if key in self._writing and not writing:
-                return None  # our own write of it is about to index it
-            if key not in self._index:
-                self._index[key] = (name, item[3])
-                self._used += item[3]
-                metrics.inc("adopted_chunks", tier=self.name)
-                kv_events.stored(key, self.name.medium)
-            return self._index[key]
+        entry, added = self._index.adopt(key, (name, item[3]), writing=writing)
+        if added:
+            metrics.inc("adopted_chunks", tier=self.name)
+            kv_events.stored(key, self.name.medium)
+        return entry
 
     # ---- helpers ------------------------------------------------------------------------------
     def _unlink(self, name: str, size: int | None = None, usage: Usage | None = None) -> bool:
@@ -206,20 +198,15 @@ class LocalDiskBackend(StorageBackend):
         freed = 0
         for own in (True, False):
             while freed < nbytes:
-                with self._lock:
-                    key = next((k for k in self._index if (k in self._mine) == own), None)
-                    if key is None:
-                        break
-                    name, size = self._index.pop(key)
-                    self._used -= size
-                    self._mine.discard(key)
+                lru = self._index.pop_lru(mine=own)
+                if lru is None:
+                    break
+                _, (name, size) = lru
                 if self._unlink(name, size, usage):
                     freed += size
                     metrics.inc("evictions", tier=self.name)
         if freed < nbytes:
-            with self._lock:
-                known = {name for name, _ in self._index.values()}
-            for name, size in chunk_files_oldest_first(self.path, SUFFIX, skip=known):
+            for name, size in chunk_files_oldest_first(self.path, SUFFIX, skip=self._index.names()):
                 if freed >= nbytes:
                     break
                 if self._unlink(name, size, usage):
@@ -227,19 +214,9 @@ class LocalDiskBackend(StorageBackend):
                     metrics.inc("evictions", tier=self.name)
         return freed >= nbytes
 
-    def _forget(self, key: str) -> Optional[tuple[str, int]]:
-        with self._lock:
-            item = self._index.pop(key, None)
-            self._mine.discard(key)
-            if item is None:
-                return None
-            self._used -= item[1]
-            return item
-
     # ---- StorageBackend -----------------------------------------------------------------------
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
-            found = [k in self._index for k in keys]
+        found = self._index.contains(keys)
         return [hit or self._adopt(k) is not None for k, hit in zip(keys, found)]
 
     def __len__(self) -> int:
@@ -247,28 +224,25 @@ class LocalDiskBackend(StorageBackend):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     @property
     def reads_in_flight(self) -> int:
         """File reads still running; a cancelled read frees its memory only when it finishes."""
         return self._reads_in_flight
 
-    def _read_done(self, _fut: Future) -> None:
+    def _read_done(self, _fut: Future[Optional[MemoryObj]]) -> None:
         with self._lock:
             self._reads_in_flight -= 1
 
     async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
-        with self._lock:
-            item = self._index.get(key)
-            if item is not None:
-                self._index.move_to_end(key)
+        item = self._index.lookup(key)
         if item is None:
             item = self._adopt(key)
         if item is None:
             return None  # the manager counts misses
-        cfut: Future = self._read_pool.submit(chunk_file.read_chunk, os.path.join(self.path, item[0]), key,
-                                              alloc, self.mac)
+        path = os.path.join(self.path, item[0])
+        cfut: Future[Optional[MemoryObj]] = self._read_pool.submit(chunk_file.read_chunk, path, key, alloc, self.mac)
         with self._lock:
             self._reads_in_flight += 1
         cfut.add_done_callback(self._read_done)
@@ -284,11 +258,11 @@ class LocalDiskBackend(StorageBackend):
             raise
         except codec.CorruptEntry as exc:
             logs.warn(logger, "disk_corrupt", "corrupt disk chunk %s: %s", item[0], exc)
-            if self._forget(key) is not None:
+            if self._index.forget(key) is not None:
                 self._drop_corrupt(item[0], item[1])
             return None
         except FileNotFoundError:
-            self._forget(key)
+            self._index.forget(key)
             return None
         except OSError as exc:
             logs.warn(logger, "disk_read_failed", "disk read of %s failed: %s", item[0], exc)
@@ -306,13 +280,12 @@ class LocalDiskBackend(StorageBackend):
         if self._closed:
             return False
         size = codec.header_size(key, obj.tensor.dim(), HEADER_ALIGN) + obj.nbytes
-        with self._lock:
-            if key in self._index or key in self._writing:
-                return True
-            if size > self.max_bytes:
-                metrics.inc("failed_writes", tier=self.name)
-                return False
-            self._writing.add(key)
+        if not self._index.begin_write(key):
+            return True  # indexed, or being written
+        if size > self.max_bytes:
+            self._index.end_write(key)
+            metrics.inc("failed_writes", tier=self.name)
+            return False
         try:
             if self._adopt(key, writing=True) is not None:
                 return True  # another process sharing the directory wrote it already
@@ -324,10 +297,7 @@ class LocalDiskBackend(StorageBackend):
             cfut.add_done_callback(lambda _: obj.ref_down())
             ok = await asyncio.wrap_future(cfut)
             if ok:
-                with self._lock:
-                    self._index[key] = (name, size)
-                    self._used += size
-                    self._mine.add(key)
+                self._index.add(key, (name, size), mine=True)
                 kv_events.stored(key, self.name.medium)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
@@ -335,8 +305,7 @@ class LocalDiskBackend(StorageBackend):
                 metrics.inc("failed_writes", tier=self.name)
             return ok
         finally:
-            with self._lock:
-                self._writing.discard(key)
+            self._index.end_write(key)
 
     def _write_file(self, name: str, key: str, obj: MemoryObj) -> bool:
         # The header (with the payload checksum) is computed here, on the writer thread, so that a
@@ -369,17 +338,12 @@ class LocalDiskBackend(StorageBackend):
                         self.path, what)
 
     async def remove(self, key: str) -> None:
-        item = self._forget(key)
+        item = self._index.forget(key)
         if item is not None:
             self._unlink(*item)
 
     async def clear(self) -> None:
-        with self._lock:
-            items = list(self._index.items())
-            self._index.clear()
-            self._mine.clear()
-            self._used -= sum(size for _, (_, size) in items)
-        for _, (name, size) in items:
+        for name, size in self._index.drain():
             self._unlink(name, size)
 
     async def close(self) -> None:
@@ -389,7 +353,7 @@ class LocalDiskBackend(StorageBackend):
         self._budget.close()
 
     def gauges(self) -> dict[str, float]:
-        return {"resident_chunks": len(self._index), "used_bytes": self._used,
+        return {"resident_chunks": len(self._index), "used_bytes": self._index.used,
                 "capacity_bytes": self.max_bytes, "unprotected_shared_tier": int(self.shared and self.mac is None)}
 
 
@@ -402,7 +366,7 @@ def _regular_file_size(path: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _release_result(cfut: Future) -> None:
+def _release_result(cfut: Future[Optional[MemoryObj]]) -> None:
     if cfut.cancelled() or cfut.exception() is not None:
         return
     obj = cfut.result()
