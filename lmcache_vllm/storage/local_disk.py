@@ -137,6 +137,7 @@ class LocalDiskBackend(StorageBackend):
             return None
         finally:
             os.close(fd)
+
         def accept(key: str) -> bool:  # not a hashed name's other key, nor e.g. another model's chunk
             return (expected_key is None or key == expected_key) and (self.key_filter is None or self.key_filter(key))
 
