@@ -39,6 +39,7 @@ import _common  # noqa: E402  (puts the repo root on sys.path)
 
 import torch  # noqa: E402
 
+from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.storage.codec import ChunkMac  # noqa: E402
 from lmcache_vllm.storage.local_disk import LocalDiskBackend  # noqa: E402
 
@@ -148,8 +149,9 @@ def main() -> None:
                 loop.run_until_complete(state["disk"].close())
             shutil.rmtree(ours_dir, ignore_errors=True)
             os.sync()
-            state["disk"] = LocalDiskBackend(ours_dir, 4 * total, io_threads=args.io_threads, direct_io=direct_io,
-                                             mac=mac)
+            config = LMCacheConfig(local_disk=ours_dir, max_local_disk_size=4 * total / (1 << 30),
+                                   extra_config={"disk_io_threads": args.io_threads, "disk_direct_io": direct_io})
+            state["disk"] = LocalDiskBackend(config, mac=mac)
 
         def write():
             async def run():

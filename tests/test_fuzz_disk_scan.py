@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from disk_tier import open_disk
 from fuzzing import bounded_run, examples
 from hypothesis import given
 from hypothesis import strategies as st
@@ -26,7 +27,6 @@ from lmcache_vllm.storage.disk_budget import USAGE_FILE
 from lmcache_vllm.storage.local_disk import (
     HEADER_ALIGN,
     TMP_PREFIX,
-    LocalDiskBackend,
     filename_for,
 )
 
@@ -145,7 +145,7 @@ def run_bounded(fn, timeout: float = 20.0):
 
 
 async def use_the_tier(root: str, shared: bool) -> None:
-    disk = LocalDiskBackend(root, 1 << 20, io_threads=2, write_threads=1, shared=shared)
+    disk = open_disk(root, 1 << 20, disk_io_threads=2, write_workers=1, local_disk_shared=shared)
     try:
         found = await disk.contains(KEYS)
         for key, hit in zip(KEYS, found):

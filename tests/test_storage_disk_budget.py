@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import torch
+from disk_tier import open_disk
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.disk_budget import USAGE_FILE, SharedDiskBudget
-from lmcache_vllm.storage.local_disk import SUFFIX, LocalDiskBackend, filename_for
+from lmcache_vllm.storage.local_disk import SUFFIX, filename_for
 
 REPO = Path(__file__).resolve().parents[1]
 FILE_BYTES = 4096 + 2 * 2 * 16 * 64 * 2  # one chunk file: 4 KiB header + 8 KiB of bf16
@@ -27,6 +28,7 @@ CAP_FILES = 10
 WRITER = textwrap.dedent('''
     import asyncio, json, sys, time
     import torch
+    from lmcache_vllm.config import LMCacheConfig
     from lmcache_vllm.memory import HostAllocator
     from lmcache_vllm.storage.local_disk import LocalDiskBackend
 
@@ -34,7 +36,7 @@ WRITER = textwrap.dedent('''
     allocator = HostAllocator(1 << 20)
 
     async def main():
-        disk = LocalDiskBackend(directory, cap)
+        disk = LocalDiskBackend(LMCacheConfig(local_disk=directory, max_local_disk_size=cap / (1 << 30)))
         while go != "-" and not __import__("os").path.exists(go):  # start together with the other writer
             time.sleep(0.01)
         stored = []
@@ -88,7 +90,7 @@ async def test_another_process_files_survive_while_the_directory_is_under_its_ca
     # Two backends on one directory, both started before any write (as TP ranks or instances started
     # together): each has its own open budget file, so flock separates them as it separates processes.
     cache = tmp_path / "cache"
-    a, b = (LocalDiskBackend(str(cache), CAP_FILES * FILE_BYTES) for _ in range(2))
+    a, b = (open_disk(str(cache), CAP_FILES * FILE_BYTES) for _ in range(2))
     allocator = HostAllocator(1 << 20)
 
     async def put(disk, tag, i):
@@ -115,7 +117,7 @@ async def test_two_commits_of_the_same_key_count_once(tmp_path):
     """Two writers (processes, TP ranks) storing the same key at once both write a temp file; the second
     rename replaces the first file, so the directory holds one file, and the count must say one."""
     cache = tmp_path / "cache"
-    a, b = (LocalDiskBackend(str(cache), CAP_FILES * FILE_BYTES) for _ in range(2))
+    a, b = (open_disk(str(cache), CAP_FILES * FILE_BYTES) for _ in range(2))
     allocator = HostAllocator(1 << 20)
     objs = [allocator.allocate((2, 2, 16, 64), torch.bfloat16) for _ in range(2)]
     for obj in objs:

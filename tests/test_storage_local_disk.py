@@ -9,13 +9,14 @@ import subprocess
 
 import pytest
 import torch
+from disk_tier import open_disk
 
 from lmcache_vllm.config import ConfigError
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage import codec, local_disk
 from lmcache_vllm.storage.disk_budget import USAGE_FILE
-from lmcache_vllm.storage.local_disk import LocalDiskBackend, filename_for
+from lmcache_vllm.storage.local_disk import filename_for
 
 CHUNK = (2, 2, 16, 64)  # bf16: 8 KiB payload, 12 KiB on disk with the 4 KiB header
 FILE_BYTES = 4096 + 2 * 2 * 16 * 64 * 2
@@ -46,7 +47,7 @@ def obj_of(tensor):
 
 async def test_round_trip_permissions_and_names(tmp_path, alloc, make_chunk):
     root = tmp_path / "cache"
-    disk = LocalDiskBackend(f"file://{root}", 1 << 20)
+    disk = open_disk(f"file://{root}", 1 << 20)
     src = make_chunk(1, CHUNK)
     assert await disk.put(key(1), obj_of(src))
     assert await disk.contains([key(1), key(2)]) == [True, False]
@@ -69,7 +70,7 @@ def test_filenames_are_safe_and_bounded():
 
 
 async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    disk = open_disk(str(tmp_path), 1 << 20)
     for i in range(3):
         assert await disk.put(key(i), obj_of(make_chunk(i, CHUNK)))
     assert await disk.put(key(9, model="other"), obj_of(make_chunk(9, CHUNK)))
@@ -80,7 +81,7 @@ async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc,
     (tmp_path / filename_for(key(7))).write_bytes(bytes(future))
     (tmp_path / "notes.txt").write_text("keep me")
 
-    disk2 = LocalDiskBackend(str(tmp_path), 1 << 20, key_filter=lambda k: k.startswith("m@"))
+    disk2 = open_disk(str(tmp_path), 1 << 20, key_filter=lambda k: k.startswith("m@"))
     assert await disk2.contains([key(0), key(1), key(2), key(9, "other"), key(7)]) == \
         [True, True, True, False, False]
     got = await disk2.get(key(2), alloc)
@@ -95,7 +96,7 @@ async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc,
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 async def test_corrupt_file_is_a_miss_and_removed(tmp_path, alloc, make_chunk, damage):
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    disk = open_disk(str(tmp_path), 1 << 20)
     assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
     path = tmp_path / filename_for(key(1))
     data = bytearray(path.read_bytes())
@@ -111,19 +112,19 @@ async def test_corrupt_file_is_a_miss_and_removed(tmp_path, alloc, make_chunk, d
 
 
 async def test_truncated_file_is_removed_at_startup(tmp_path, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path), 1 << 20)
+    disk = open_disk(str(tmp_path), 1 << 20)
     assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
     await disk.close()
     path = tmp_path / filename_for(key(1))
     path.write_bytes(path.read_bytes()[:5000])
-    disk2 = LocalDiskBackend(str(tmp_path), 1 << 20)
+    disk2 = open_disk(str(tmp_path), 1 << 20)
     assert await disk2.contains([key(1)]) == [False]
     assert not path.exists() and metrics.value("corrupt_chunks", tier="local_disk") == 1
     await disk2.close()
 
 
 async def test_concurrent_stores_and_reads(tmp_path, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path), 4 << 20, io_threads=4, write_threads=2)
+    disk = open_disk(str(tmp_path), 4 << 20, disk_io_threads=4, write_workers=2)
     chunks = {i: make_chunk(i, CHUNK) for i in range(24)}
     results = await asyncio.gather(*(disk.put(key(i), obj_of(t)) for i, t in chunks.items()),
                                    *(disk.put(key(i), obj_of(t)) for i, t in chunks.items()))
@@ -138,7 +139,7 @@ async def test_concurrent_stores_and_reads(tmp_path, alloc, make_chunk):
 
 
 async def test_size_cap_evicts_least_recently_used(tmp_path, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path), 3 * FILE_BYTES)
+    disk = open_disk(str(tmp_path), 3 * FILE_BYTES)
     for i in range(3):
         assert await disk.put(key(i), obj_of(make_chunk(i, CHUNK)))
     (await disk.get(key(0), alloc)).ref_down()  # 0 becomes most recent; 1 is now the oldest
@@ -175,7 +176,7 @@ def tiny_fs(tmp_path, monkeypatch):
 
 
 async def test_full_disk_drops_stores_without_crashing(tiny_fs, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tiny_fs / "cache"), 1 << 30)  # the cap is not what stops it
+    disk = open_disk(str(tiny_fs / "cache"), 1 << 30)  # the cap is not what stops it
     results = [await disk.put(key(i), obj_of(make_chunk(i, CHUNK))) for i in range(10)]
     assert results[0] and not all(results)
     assert metrics.value("failed_writes", tier="local_disk") >= 1
@@ -190,7 +191,7 @@ async def test_full_disk_drops_stores_without_crashing(tiny_fs, alloc, make_chun
 
 async def test_cancelled_read_frees_its_memory(tmp_path, make_chunk):
     allocator = HostAllocator(8 << 20)
-    disk = LocalDiskBackend(str(tmp_path), 8 << 20)
+    disk = open_disk(str(tmp_path), 8 << 20)
     big = make_chunk(5, (4, 2, 256, 512))  # 2 MiB
     assert await disk.put(key(5), obj_of(big))
     for _ in range(5):
@@ -221,7 +222,7 @@ async def test_direct_io_round_trip_with_unaligned_tail(tmp_path, where, alloc):
     if where == "shm" and not os.path.isdir(root):
         pytest.skip("no /dev/shm")
     root = os.path.join(root, f"lmv-direct-{os.getpid()}")
-    disk = LocalDiskBackend(root, 1 << 24)
+    disk = open_disk(root, 1 << 24)
     try:
         src = torch.arange(35_003, dtype=torch.float32).to(torch.bfloat16)  # 70,006 bytes: a short tail
         obj = obj_of(src)
@@ -241,7 +242,7 @@ async def test_direct_io_round_trip_with_unaligned_tail(tmp_path, where, alloc):
 
 
 async def test_object_off_a_page_is_written_through_the_page_cache(tmp_path, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path / "cache"), 1 << 20)
+    disk = open_disk(str(tmp_path / "cache"), 1 << 20)
     allocator = HostAllocator(1 << 20)
     small = allocator.allocate((16,), torch.uint8)  # pushes the chunk 64 bytes past a page
     src = make_chunk(3, CHUNK)
@@ -259,8 +260,8 @@ async def test_object_off_a_page_is_written_through_the_page_cache(tmp_path, all
 async def test_keyed_mac_files_of_another_writer_are_misses_and_deleted(tmp_path, alloc, make_chunk):
     mac = codec.ChunkMac("fleet secret")
     src = make_chunk(3, CHUNK)
-    signed = LocalDiskBackend(str(tmp_path), 1 << 20, mac=mac)
-    unsigned = LocalDiskBackend(str(tmp_path), 1 << 20)
+    signed = open_disk(str(tmp_path), 1 << 20, mac=mac)
+    unsigned = open_disk(str(tmp_path), 1 << 20)
     assert await signed.put(key(1), obj_of(src))
     assert await unsigned.put(key(2), obj_of(src))  # e.g. planted by someone without the secret
     got = await signed.get(key(1), alloc)
@@ -288,24 +289,24 @@ async def test_directory_others_can_write_is_refused_unless_shared(tmp_path, set
         os.chmod(root, 0o777 if setup == "world_writable" else 0o770)
     mode = stat.S_IMODE(os.stat(root).st_mode)
     with pytest.raises(ConfigError, match="local_disk_shared") as refused:
-        LocalDiskBackend(str(root), 1 << 20)
+        open_disk(str(root), 1 << 20)
     assert "local_disk" in str(refused.value) and str(root) in str(refused.value)
     owner = os.stat(root).st_uid
-    disk = LocalDiskBackend(str(root), 1 << 20, shared=True)  # configured as shared: used as it is
+    disk = open_disk(str(root), 1 << 20, local_disk_shared=True)  # configured as shared: used as it is
     assert stat.S_IMODE(os.stat(root).st_mode) == mode and os.stat(root).st_uid == owner
     await disk.close()
 
 
 async def test_directories_we_create_are_0700_and_the_users_own_is_left_alone(tmp_path):
     made = tmp_path / "a" / "b" / "cache"
-    disk = LocalDiskBackend(str(made), 1 << 20)
+    disk = open_disk(str(made), 1 << 20)
     await disk.close()
     for d in (tmp_path / "a", tmp_path / "a" / "b", made):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
     os.chmod(mine, 0o755)
-    disk = LocalDiskBackend(str(mine), 1 << 20)  # ours, nobody else can write it: used, and not chmod-ed
+    disk = open_disk(str(mine), 1 << 20)  # ours, nobody else can write it: used, and not chmod-ed
     await disk.close()
     assert stat.S_IMODE(os.stat(mine).st_mode) == 0o755
 
@@ -319,7 +320,7 @@ def _finish_fifo_reads(path) -> None:
 
 
 async def test_fifo_in_place_of_a_chunk_is_a_miss_not_a_hang(tmp_path, alloc, make_chunk):
-    disk = LocalDiskBackend(str(tmp_path / "cache"), 1 << 20)
+    disk = open_disk(str(tmp_path / "cache"), 1 << 20)
     assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
     path = tmp_path / "cache" / filename_for(key(1))
     os.unlink(path)
@@ -330,7 +331,7 @@ async def test_fifo_in_place_of_a_chunk_is_a_miss_not_a_hang(tmp_path, alloc, ma
         os.mkfifo(tmp_path / "cache" / filename_for(key(2)), 0o600)  # planted under a key never written
         assert await asyncio.wait_for(disk.contains([key(2)]), 5) == [False]
         assert await asyncio.wait_for(disk.get(key(2), alloc), 5) is None
-        restarted = await asyncio.wait_for(asyncio.to_thread(LocalDiskBackend, str(tmp_path / "cache"), 1 << 20), 5)
+        restarted = await asyncio.wait_for(asyncio.to_thread(open_disk, tmp_path / "cache", 1 << 20), 5)
         await restarted.close()
     finally:
         for name in (filename_for(key(1)), filename_for(key(2))):
@@ -341,10 +342,10 @@ async def test_fifo_in_place_of_a_chunk_is_a_miss_not_a_hang(tmp_path, alloc, ma
 async def test_symlinks_are_never_followed(tmp_path, alloc, make_chunk):
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     src = make_chunk(1, CHUNK)
-    outside = LocalDiskBackend(str(elsewhere), 1 << 20)
+    outside = open_disk(str(elsewhere), 1 << 20)
     assert await outside.put(key(1), obj_of(src))
     await outside.close()
-    disk = LocalDiskBackend(str(cache), 1 << 20)
+    disk = open_disk(str(cache), 1 << 20)
     os.symlink(elsewhere / filename_for(key(1)), cache / filename_for(key(1)))  # a valid chunk, behind a link
     assert await disk.contains([key(1)]) == [False]
     assert await disk.get(key(1), alloc) is None
@@ -357,5 +358,5 @@ async def test_symlinks_are_never_followed(tmp_path, alloc, make_chunk):
     plain.mkdir(mode=0o700)
     os.symlink(victim, plain / USAGE_FILE)
     with pytest.raises(ConfigError, match=USAGE_FILE):
-        LocalDiskBackend(str(plain), 1 << 20)
+        open_disk(str(plain), 1 << 20)
     assert victim.read_bytes() == b"precious"

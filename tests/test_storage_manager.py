@@ -72,7 +72,7 @@ def test_write_through_promotion_and_restart(tmp_path, redis_server, redis_prefi
         assert raw.exists(*(redis_prefix + key(i) for i in range(4))) == 4
         mgr.l1.clear_sync()
         os.unlink(tmp_path / filename_for(key(2)))  # chunk 2 only in redis now
-        mgr.lower[0]._forget(key(2))
+        mgr.lower[0]._index.forget(key(2))
         raw.delete(redis_prefix + key(1))  # chunk 1 only on disk
         assert mgr.contains_prefix([key(i) for i in range(5)]) == 4
         # where a load would read each chunk from: the first tier holding it

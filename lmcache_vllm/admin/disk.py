@@ -1,10 +1,11 @@
 """`inspect` and `clear` of an L2 chunk directory, without vLLM and without a running server.
 
 Only headers are read (one `pread` of at most `codec.MAX_HEADER_SIZE` bytes per file); `verify=True` also
-reads each payload into a `bytearray` and checks its checksum. Files are judged as the disk tier judges
-them at start-up (`local_disk.py`): our magic and format version, a valid header for the key in the file
-name, and a size of header + payload. Anything else of our format is reported as corrupt; files of another
-format version or not ours are counted and left alone, by `clear` too.
+reads each payload into a `bytearray` and checks its checksum. Files are judged by the disk tier's own
+rule (`chunk_file.check_file`); a valid header under another key's file name, which the tier leaves
+alone, is reported (and cleared) as corrupt here, like anything else of our format that is not valid;
+files of another format version or not ours are counted and left alone, by `clear` too. Stale temp files
+are those the tier removes at start-up (`chunk_file.STALE_TMP_SECS`).
 """
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ from dataclasses import dataclass
 
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
 from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.chunk_file import SUFFIX, TMP_PREFIX, check_file, is_stale_tmp
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget
 from lmcache_vllm.storage.disk_dir import NotRegularFile, open_regular
-from lmcache_vllm.storage.local_disk import SUFFIX, TMP_PREFIX, filename_for
-
-STALE_TMP_SECS = 60.0  # a temp file this old is no live writer's
 
 
 @dataclass
@@ -40,22 +39,14 @@ def _read_file(path: str, name: str, verify: bool) -> _File:
     item = _File(name, st.st_size, st.st_mtime)
     with os.fdopen(fd, "rb") as f:
         head = f.read(codec.MAX_HEADER_SIZE)
-        version = codec.read_format_version(head)
-        if version != codec.FORMAT_VERSION:
-            item.ours = False
-            item.problem = "another format" if version is not None else "not a chunk"
-            return item
         try:
-            header = codec.parse_header(head)
+            header = check_file(name, head, st.st_size)
         except codec.CorruptEntry as exc:
             item.problem = str(exc)
             return item
-        if filename_for(header.key) != name:
-            item.problem = f"file name does not match its key {header.key!r}"
-            return item
-        if st.st_size != header.header_len + header.payload_len:
-            item.problem = (f"{st.st_size} bytes, header says {header.header_len + header.payload_len}"
-                            " (truncated or padded)")
+        if header is None:
+            item.ours = False
+            item.problem = "another format" if codec.read_format_version(head) is not None else "not a chunk"
             return item
         if verify:
             f.seek(header.header_len)
@@ -130,7 +121,7 @@ def clear_disk(path: str, *, namespace: str | None = None, dry_run: bool = False
         now = time.time()
         with os.scandir(path) as it:
             stale = [e for e in it if e.name.startswith(TMP_PREFIX) and e.is_file(follow_symlinks=False)
-                     and now - e.stat().st_mtime > STALE_TMP_SECS]
+                     and is_stale_tmp(e.name, e.stat().st_mtime, now)]
         for entry in stale:
             if dry_run or _unlink(entry.path):
                 removed["temp_files"] += 1

@@ -53,12 +53,11 @@ def _idle_times(client: redis.Redis, rkeys: list[bytes]) -> list[int | None]:
 
 def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis, verify: bool) -> str | None:
     """None when the value is a valid chunk for `key`, else the problem (the Redis tier would delete it)."""
-    try:
+    try:  # the rule the Redis tier reads by (`codec.decode`): header, then header + payload bytes exactly
         header = codec.parse_header(head, key)
+        codec.check_size(header, length)
     except codec.CorruptEntry as exc:
         return str(exc)
-    if length != header.header_len + header.payload_len:
-        return f"{length} bytes, header says {header.header_len + header.payload_len}"
     if verify:
         value = client.get(rkey)
         if value is None:

@@ -41,7 +41,8 @@ class ExtraConfig:
                                       choices=("off", "background", "sync"),
                                       value_aliases={False: "off", True: "background"})
     # L2 local disk
-    disk_io_threads: int = setting(8, "threads reading and writing chunk files", check=POSITIVE_INT)
+    disk_io_threads: int = setting(8, "threads reading chunk files (writes: one thread per write_workers)",
+                                   check=POSITIVE_INT)
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")

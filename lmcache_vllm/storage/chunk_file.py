@@ -1,5 +1,12 @@
-"""Low-level I/O of one chunk file of the disk tier: full reads and writes, O_DIRECT writes, and a whole
-chunk file read (`read_chunk`) or written atomically (`write_chunk`: a temp file renamed into place).
+"""One chunk file of the disk tier: its name (`filename_for`), the one rule of whether it is valid
+(`check_file`), and its I/O: full reads and writes, O_DIRECT writes, and a whole chunk file read
+(`read_chunk`) or written atomically (`write_chunk`: a temp file renamed into place).
+
+- File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
+  (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
+- Contents: `codec` header padded to 4 KiB (`HEADER_ALIGN`), then the raw payload.
+- Temp files (`.tmp-*`) hold a write in progress until it is renamed into place; one older than
+  `STALE_TMP_SECS` is a crashed writer's and is removed (by the tier's start-up scan and by `clear`).
 
 O_DIRECT needs the memory address, the file offset and the length in whole logical blocks
 (`DIRECT_ALIGN`, 4 KiB covers every common device). A chunk file is a header padded to 4 KiB plus the
@@ -13,14 +20,76 @@ import fcntl
 import logging
 import mmap
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+from urllib.parse import quote, unquote
 
+import xxhash
+
+from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage import codec, disk_dir
+from lmcache_vllm.storage.base import AllocFn
 
 logger = logging.getLogger(__name__)
 
 DIRECT_ALIGN = 4096
+SUFFIX = ".lmc"
+TMP_PREFIX = ".tmp-"
+HEADER_ALIGN = 4096
+_MAX_NAME = 200
+# A temp file lives for one chunk write: well under a second on a local disk, minutes at worst on a
+# stalled or network file system (a chunk is up to ~130 MB, fsync-ed with disk_fsync). An hour is far
+# beyond any live write, so removing older ones never pulls a file from under a live writer (another
+# process sharing the directory included); what it leaves is at most an hour of a crashed writer's.
+STALE_TMP_SECS = 3600.0
+
+
+class MisnamedFile(codec.CorruptEntry):
+    """A chunk file with a valid header whose key belongs under another file name."""
+
+
+def filename_for(key: str) -> str:
+    name = quote(key, safe="@") + SUFFIX
+    if len(name) > _MAX_NAME:
+        return "h-" + xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
+    return name
+
+
+def key_from_filename(name: str) -> Optional[str]:
+    """The key a chunk file's name spells; None for hashed names (the key is in the header) and others."""
+    if name.startswith("h-") or not name.endswith(SUFFIX):
+        return None
+    return unquote(name[:-len(SUFFIX)])
+
+
+def is_stale_tmp(name: str, mtime: float, now: float) -> bool:
+    """A temp file a crashed writer left (see `STALE_TMP_SECS`)."""
+    return name.startswith(TMP_PREFIX) and now - mtime > STALE_TMP_SECS
+
+
+def check_file(name: str, head: bytes, size: int,
+               accept: Optional[Callable[[str], bool]] = None) -> Optional[codec.ChunkHeader]:
+    """The one rule of whether the file `name` in a disk tier's directory, `size` bytes starting with
+    `head` (at least `codec.MAX_HEADER_SIZE` bytes, or the whole file), is a valid chunk file. Used by
+    the tier's start-up scan and its lookups (`local_disk`), its reads (`read_chunk`) and the admin tools
+    (`admin/disk.py`):
+
+    - None: not ours to judge, left alone by everyone: another format version or not a chunk at all, or
+      a key `accept` rejects (e.g. another model's chunk in a shared directory).
+    - `MisnamedFile`: a valid header whose key belongs under another file name.
+    - `codec.CorruptEntry`: ours, but damaged: the header does not parse or check (`codec.parse_header`),
+      or the file is not exactly header + payload bytes (truncated or padded).
+    - Else its header. The payload's checksum and MAC are checked once it is read (`codec.verify_payload`).
+    """
+    if codec.read_format_version(head) != codec.FORMAT_VERSION:
+        return None
+    header = codec.parse_header(head)
+    if filename_for(header.key) != name:
+        raise MisnamedFile(f"file name does not match its key {header.key!r}")
+    if accept is not None and not accept(header.key):
+        return None
+    codec.check_size(header, size)
+    return header
 
 
 def create(path: str, direct: bool) -> tuple[int, bool]:
@@ -68,7 +137,7 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
-def write_full(fd: int, buffers: list) -> None:
+def write_full(fd: int, buffers: list[Any]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     try:
         while views:
@@ -94,7 +163,7 @@ def pread_full(fd: int, dest: memoryview, offset: int) -> None:
         done += n
 
 
-def read_chunk(path: str, key: str, alloc, mac=None):
+def read_chunk(path: str, key: str, alloc: AllocFn, mac: Optional[codec.ChunkMac] = None) -> Optional[MemoryObj]:
     """The chunk stored in file `path` under `key`, read straight into memory from `alloc(shape, dtype)`
     (None when `alloc` has none); `codec.CorruptEntry` when the file is not that chunk (or not signed
     with `mac`, a `codec.ChunkMac`, when given; `disk_dir.NotRegularFile`, one too, when a symbolic
@@ -102,11 +171,9 @@ def read_chunk(path: str, key: str, alloc, mac=None):
     fd = disk_dir.open_regular(path)
     try:
         head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
-        header = codec.parse_header(head, key)
-        size = os.fstat(fd).st_size
-        if size != header.header_len + header.payload_len:
-            raise codec.CorruptEntry(f"file has {size} bytes, header says "
-                                     f"{header.header_len + header.payload_len}")
+        header = check_file(os.path.basename(path), head, os.fstat(fd).st_size, key.__eq__)
+        if header is None:
+            raise codec.CorruptEntry(f"{path} is not a chunk file of this format holding {key!r}")
         obj = alloc(header.shape, header.dtype)
         if obj is None:
             return None

@@ -234,6 +234,14 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
                        fixed[:_MAC_OFFSET] + _NO_MAC + body)
 
 
+def check_size(header: ChunkHeader, size: int) -> None:
+    """An entry of `size` bytes whose header is `header` must be exactly header + payload: fewer is a
+    truncated entry, more a padded one (`CorruptEntry`)."""
+    if size != header.header_len + header.payload_len:
+        raise CorruptEntry(f"{size} bytes, header says {header.header_len + header.payload_len}"
+                           " (truncated or padded)")
+
+
 def verify_payload(header: ChunkHeader, payload, mac: Optional[ChunkMac] = None) -> None:
     """Checks a payload's length and checksum against its header and, with `mac`, the header's MAC."""
     if len(payload) != header.payload_len:
@@ -269,9 +277,7 @@ def decode(buf, expected_key: Optional[str],
     Returns the MemoryObj, or None when `alloc` could not provide memory. The object is released again
     if the bytes turn out to be corrupt (then `CorruptEntry` propagates)."""
     header = parse_header(buf, expected_key)
-    if len(buf) != header.header_len + header.payload_len:
-        raise CorruptEntry(f"entry has {len(buf)} bytes, header says "
-                           f"{header.header_len + header.payload_len}")
+    check_size(header, len(buf))
     obj = alloc(header.shape, header.dtype)
     if obj is None:
         return None

@@ -1,16 +1,15 @@
 """L2: one file per chunk in a local directory, with a size cap, LRU eviction and a start-up re-index.
 
-- File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
-  (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
-- Contents: `codec` header padded to 4 KiB, then the raw payload. Written to a `.tmp-*` file (mode 0600,
-  directory 0700) with `O_DIRECT` straight from the MemoryObj's bytes where the file system allows it
-  (else one `os.writev` of header + bytes through the page cache), then renamed into place, so a
-  reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
+- A chunk file's name and contents, and what makes one valid: `chunk_file.py`. Written to a `.tmp-*`
+  file (mode 0600, directory 0700) with `O_DIRECT` straight from the MemoryObj's bytes where the file
+  system allows it (else one `os.writev` of header + bytes through the page cache), then renamed into
+  place, so a reader never sees half a file. A failed write (ENOSPC, EIO, ...) removes the temp file and counts the
   store as dropped.
 - Reads run on a thread pool (several threads: parallel cold reads are ~3x faster than one on this
   machine): `pread` of the header, allocation of a MemoryObj of the right shape, `preadv` of the payload
   straight into the MemoryObj's bytes, checksum. A corrupt or truncated file is a miss and is deleted.
   Eviction may unlink a file a reader has open; POSIX keeps the open file readable, so that is safe.
+- What it holds (key -> file, LRU order, its own files, writes under way): `disk_index.DiskIndex`.
 - Several live processes may share the directory: a key missing from the index is looked up as a
   file (one stat) before it counts as a miss, and a valid file is adopted into the index; a write of a
   key whose file another process wrote already is skipped. They share one cap (`disk_budget.py`): only
@@ -18,10 +17,10 @@
   while the directory is under its cap. It evicts, least recently used first, the files it wrote or
   found at start-up (nobody was known to use them), then those it adopted from live processes, then
   chunk files it does not know, oldest first.
-- Start-up: the directory is scanned and every header read; our files (right magic and format version,
+- Start-up: the directory is scanned and every header read; our files (valid by `chunk_file.check_file`,
   accepted by `key_filter`, e.g. the same model) are indexed oldest-mtime first; files of another
-  format version or rejected by the filter are left alone and not counted; corrupt files of our format
-  are removed; temp files older than an hour (a crashed writer's) are removed.
+  format version, misnamed or rejected by the filter are left alone and not counted; corrupt files of
+  our format are removed; stale temp files (a crashed writer's, `chunk_file.STALE_TMP_SECS`) are removed.
 """
 
 from __future__ import annotations
@@ -33,41 +32,20 @@ import stat
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
-from urllib.parse import quote, unquote
-
-import xxhash
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import chunk_file, codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
+from lmcache_vllm.storage.chunk_file import HEADER_ALIGN, SUFFIX, TMP_PREFIX, filename_for, key_from_filename
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
+from lmcache_vllm.storage.disk_index import DiskIndex, Entry
 from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
-
-SUFFIX = ".lmc"
-TMP_PREFIX = ".tmp-"
-HEADER_ALIGN = 4096
-_MAX_NAME = 200
-_STALE_TMP_SECS = 3600.0
-
-
-def filename_for(key: str) -> str:
-    name = quote(key, safe="@") + SUFFIX
-    if len(name) > _MAX_NAME:
-        return "h-" + xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
-    return name
-
-
-def _key_from_filename(name: str) -> Optional[str]:
-    if name.startswith("h-") or not name.endswith(SUFFIX):
-        return None  # hashed names: the key comes from the header
-    return unquote(name[:-len(SUFFIX)])
 
 
 class LocalDiskBackend(StorageBackend):
@@ -76,12 +54,7 @@ class LocalDiskBackend(StorageBackend):
     @classmethod
     def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
                     mac: Optional[codec.ChunkMac] = None) -> Optional[LocalDiskBackend]:
-        if not config.local_disk:
-            return None
-        extra = config.extra_config
-        return cls(config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                   fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac,
-                   shared=extra.local_disk_shared)
+        return cls(config, key_filter=key_filter, mac=mac) if config.local_disk else None
 
     @classmethod
     def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
@@ -89,32 +62,33 @@ class LocalDiskBackend(StorageBackend):
             return f"{config.local_disk} is configured as shared with other users"
         return None
 
-    def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
-                 fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
-                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None, shared: bool = False):
+    def __init__(self, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
+                 mac: Optional[codec.ChunkMac] = None):
+        """The directory `config.local_disk` capped at `max_local_disk_size`, with the `extra_config.disk_*`
+        settings and `local_disk_shared`; `key_filter(key)`: whether a chunk found there is ours to use
+        (e.g. this model's); `mac`: the keyed MAC of every chunk written and required of every chunk read."""
+        extra = config.extra_config
+        if not config.local_disk:
+            raise ValueError("LocalDiskBackend needs local_disk")
         # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
         # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
         # time the file system refuses it (tmpfs does).
-        self.direct_io = bool(direct_io) and hasattr(os, "O_DIRECT")
-        if path.startswith("file://"):
-            path = path[len("file://"):]
-        self.path = os.path.abspath(path)
-        self.max_bytes = int(max_bytes)
-        self.fsync = fsync
+        self.direct_io = extra.disk_direct_io and hasattr(os, "O_DIRECT")
+        self.path = os.path.abspath(config.local_disk)
+        self.max_bytes = config.max_local_disk_bytes
+        self.fsync = extra.disk_fsync
         self.key_filter = key_filter
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
         # Created 0700; one another user owns or others can write is refused unless `shared`.
-        disk_dir.prepare_directory(self.path, shared)
-        self.shared = shared  # others may write it: without `mac`, they can plant chunks
-        self._lock = threading.Lock()
-        self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
-        self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
-        self._mine: set[str] = set()  # keys of files we wrote or found at start-up (evicted first)
-        self._writing: set[str] = set()
+        self.shared = extra.local_disk_shared  # others may write it: without `mac`, they can plant chunks
+        disk_dir.prepare_directory(self.path, self.shared)
+        self._lock = threading.Lock()  # (for `_reads_in_flight`)
+        self._index = DiskIndex()
         self._budget = SharedDiskBudget(self.path, self.max_bytes)
-        self._read_pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="lmcache-disk-read")
+        self._read_pool = ThreadPoolExecutor(extra.disk_io_threads, thread_name_prefix="lmcache-disk-read")
         self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
-        self._write_pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="lmcache-disk-write")
+        # A write thread per write-through worker of the manager: each has one put in flight at a time.
+        self._write_pool = ThreadPoolExecutor(extra.write_workers, thread_name_prefix="lmcache-disk-write")
         self._closed = False
         self._scan()
 
@@ -128,7 +102,7 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if entry.name.startswith(TMP_PREFIX):
                     try:  # another live process may be renaming it right now
-                        stale = now - entry.stat().st_mtime > _STALE_TMP_SECS
+                        stale = chunk_file.is_stale_tmp(entry.name, entry.stat().st_mtime, now)
                     except OSError:
                         continue
                     if stale:
@@ -141,9 +115,7 @@ class LocalDiskBackend(StorageBackend):
                     found.append(item)
         found.sort(key=lambda item: item[0])
         for _, key, name, size in found:
-            self._index[key] = (name, size)
-            self._mine.add(key)
-            self._used += size
+            self._index.add(key, (name, size), mine=True)
             kv_events.stored(key, self.name.medium)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
         with self._budget.transaction() as usage:
@@ -151,7 +123,7 @@ class LocalDiskBackend(StorageBackend):
             if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
                 self._evict(usage.used - self.max_bytes, usage)
 
-    def _check_file(self, name: str, expected_key: Optional[str] = None):
+    def _check_file(self, name: str, expected_key: Optional[str] = None) -> Optional[tuple[float, str, str, int]]:
         """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
         one of our format is removed; anything else, a symbolic link or FIFO included, is left alone)."""
         try:
@@ -165,25 +137,22 @@ class LocalDiskBackend(StorageBackend):
             return None
         finally:
             os.close(fd)
-        if codec.read_format_version(head) != codec.FORMAT_VERSION:
-            return None  # another format (or not ours): leave it alone
+
+        def accept(key: str) -> bool:  # not a hashed name's other key, nor e.g. another model's chunk
+            return (expected_key is None or key == expected_key) and (self.key_filter is None or self.key_filter(key))
+
         try:
-            header = codec.parse_header(head)
+            header = chunk_file.check_file(name, head, st.st_size, accept)
+        except chunk_file.MisnamedFile:
+            return None  # not where its key's file would be: leave it alone
         except codec.CorruptEntry:
             self._drop_corrupt(name, st.st_size)
             return None
-        if filename_for(header.key) != name:
-            return None
-        if expected_key is not None and header.key != expected_key:
-            return None  # a hashed name shared by two keys: not the chunk asked for
-        if self.key_filter is not None and not self.key_filter(header.key):
-            return None  # e.g. another model's chunks
-        if st.st_size != header.header_len + header.payload_len:
-            self._drop_corrupt(name, st.st_size)
-            return None
+        if header is None:
+            return None  # another format, not ours, or not accepted: leave it alone
         return (st.st_mtime, header.key, name, st.st_size)
 
-    def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
+    def _adopt(self, key: str, writing: bool = False) -> Optional[Entry]:
         """On an index miss: the key's file written by another live process sharing the directory is
         indexed (one failed open when there is no such file; a header read when there is). `writing`: asked
         by our own write of the key, which then skips writing it."""
@@ -191,15 +160,11 @@ class LocalDiskBackend(StorageBackend):
         item = self._check_file(name, key)
         if item is None:
             return None
-        with self._lock:
-            if key in self._writing and not writing:
-                return None  # our own write of it is about to index it
-            if key not in self._index:
-                self._index[key] = (name, item[3])
-                self._used += item[3]
-                metrics.inc("adopted_chunks", tier=self.name)
-                kv_events.stored(key, self.name.medium)
-            return self._index[key]
+        entry, added = self._index.adopt(key, (name, item[3]), writing=writing)
+        if added:
+            metrics.inc("adopted_chunks", tier=self.name)
+            kv_events.stored(key, self.name.medium)
+        return entry
 
     # ---- helpers ------------------------------------------------------------------------------
     def _unlink(self, name: str, size: int | None = None, usage: Usage | None = None) -> bool:
@@ -218,7 +183,7 @@ class LocalDiskBackend(StorageBackend):
                 usage.used -= size
             else:
                 self._budget.release(size)
-            key = _key_from_filename(name)
+            key = key_from_filename(name)
             if key is not None:  # (a hashed name's key is in its header: no event)
                 kv_events.removed(key, self.name.medium)
         return True
@@ -234,20 +199,15 @@ class LocalDiskBackend(StorageBackend):
         freed = 0
         for own in (True, False):
             while freed < nbytes:
-                with self._lock:
-                    key = next((k for k in self._index if (k in self._mine) == own), None)
-                    if key is None:
-                        break
-                    name, size = self._index.pop(key)
-                    self._used -= size
-                    self._mine.discard(key)
+                lru = self._index.pop_lru(mine=own)
+                if lru is None:
+                    break
+                _, (name, size) = lru
                 if self._unlink(name, size, usage):
                     freed += size
                     metrics.inc("evictions", tier=self.name)
         if freed < nbytes:
-            with self._lock:
-                known = {name for name, _ in self._index.values()}
-            for name, size in chunk_files_oldest_first(self.path, SUFFIX, skip=known):
+            for name, size in chunk_files_oldest_first(self.path, SUFFIX, skip=self._index.names()):
                 if freed >= nbytes:
                     break
                 if self._unlink(name, size, usage):
@@ -255,19 +215,9 @@ class LocalDiskBackend(StorageBackend):
                     metrics.inc("evictions", tier=self.name)
         return freed >= nbytes
 
-    def _forget(self, key: str) -> Optional[tuple[str, int]]:
-        with self._lock:
-            item = self._index.pop(key, None)
-            self._mine.discard(key)
-            if item is None:
-                return None
-            self._used -= item[1]
-            return item
-
     # ---- StorageBackend -----------------------------------------------------------------------
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
-            found = [k in self._index for k in keys]
+        found = self._index.contains(keys)
         return [hit or self._adopt(k) is not None for k, hit in zip(keys, found)]
 
     def __len__(self) -> int:
@@ -275,28 +225,25 @@ class LocalDiskBackend(StorageBackend):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     @property
     def reads_in_flight(self) -> int:
         """File reads still running; a cancelled read frees its memory only when it finishes."""
         return self._reads_in_flight
 
-    def _read_done(self, _fut: Future) -> None:
+    def _read_done(self, _fut: Future[Optional[MemoryObj]]) -> None:
         with self._lock:
             self._reads_in_flight -= 1
 
     async def get(self, key: str, alloc: AllocFn) -> Optional[MemoryObj]:
-        with self._lock:
-            item = self._index.get(key)
-            if item is not None:
-                self._index.move_to_end(key)
+        item = self._index.lookup(key)
         if item is None:
             item = self._adopt(key)
         if item is None:
             return None  # the manager counts misses
-        cfut: Future = self._read_pool.submit(chunk_file.read_chunk, os.path.join(self.path, item[0]), key,
-                                              alloc, self.mac)
+        path = os.path.join(self.path, item[0])
+        cfut: Future[Optional[MemoryObj]] = self._read_pool.submit(chunk_file.read_chunk, path, key, alloc, self.mac)
         with self._lock:
             self._reads_in_flight += 1
         cfut.add_done_callback(self._read_done)
@@ -312,11 +259,11 @@ class LocalDiskBackend(StorageBackend):
             raise
         except codec.CorruptEntry as exc:
             logs.warn(logger, "disk_corrupt", "corrupt disk chunk %s: %s", item[0], exc)
-            if self._forget(key) is not None:
+            if self._index.forget(key) is not None:
                 self._drop_corrupt(item[0], item[1])
             return None
         except FileNotFoundError:
-            self._forget(key)
+            self._index.forget(key)
             return None
         except OSError as exc:
             logs.warn(logger, "disk_read_failed", "disk read of %s failed: %s", item[0], exc)
@@ -334,13 +281,12 @@ class LocalDiskBackend(StorageBackend):
         if self._closed:
             return False
         size = codec.header_size(key, obj.tensor.dim(), HEADER_ALIGN) + obj.nbytes
-        with self._lock:
-            if key in self._index or key in self._writing:
-                return True
-            if size > self.max_bytes:
-                metrics.inc("failed_writes", tier=self.name)
-                return False
-            self._writing.add(key)
+        if not self._index.begin_write(key):
+            return True  # indexed, or being written
+        if size > self.max_bytes:
+            self._index.end_write(key)
+            metrics.inc("failed_writes", tier=self.name)
+            return False
         try:
             if self._adopt(key, writing=True) is not None:
                 return True  # another process sharing the directory wrote it already
@@ -352,10 +298,7 @@ class LocalDiskBackend(StorageBackend):
             cfut.add_done_callback(lambda _: obj.ref_down())
             ok = await asyncio.wrap_future(cfut)
             if ok:
-                with self._lock:
-                    self._index[key] = (name, size)
-                    self._used += size
-                    self._mine.add(key)
+                self._index.add(key, (name, size), mine=True)
                 kv_events.stored(key, self.name.medium)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
@@ -363,8 +306,7 @@ class LocalDiskBackend(StorageBackend):
                 metrics.inc("failed_writes", tier=self.name)
             return ok
         finally:
-            with self._lock:
-                self._writing.discard(key)
+            self._index.end_write(key)
 
     def _write_file(self, name: str, key: str, obj: MemoryObj) -> bool:
         # The header (with the payload checksum) is computed here, on the writer thread, so that a
@@ -397,17 +339,12 @@ class LocalDiskBackend(StorageBackend):
                         self.path, what)
 
     async def remove(self, key: str) -> None:
-        item = self._forget(key)
+        item = self._index.forget(key)
         if item is not None:
             self._unlink(*item)
 
     async def clear(self) -> None:
-        with self._lock:
-            items = list(self._index.items())
-            self._index.clear()
-            self._mine.clear()
-            self._used -= sum(size for _, (_, size) in items)
-        for _, (name, size) in items:
+        for name, size in self._index.drain():
             self._unlink(name, size)
 
     async def close(self) -> None:
@@ -417,7 +354,7 @@ class LocalDiskBackend(StorageBackend):
         self._budget.close()
 
     def gauges(self) -> dict[str, float]:
-        return {"resident_chunks": len(self._index), "used_bytes": self._used,
+        return {"resident_chunks": len(self._index), "used_bytes": self._index.used,
                 "capacity_bytes": self.max_bytes, "unprotected_shared_tier": int(self.shared and self.mac is None)}
 
 
@@ -430,7 +367,7 @@ def _regular_file_size(path: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _release_result(cfut: Future) -> None:
+def _release_result(cfut: Future[Optional[MemoryObj]]) -> None:
     if cfut.cancelled() or cfut.exception() is not None:
         return
     obj = cfut.result()

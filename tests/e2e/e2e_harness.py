@@ -74,9 +74,9 @@ def chunk_keys(stored: list[str], tokens: list[int], rank: int = 0) -> list[str]
 
 def chunk_files(disk_dir: Path, tokens: list[int], rank: int = 0) -> list[Path]:
     """The L2 files holding the whole chunks of `tokens` (TP rank `rank`), in chunk order."""
-    from lmcache_vllm.storage.local_disk import SUFFIX, _key_from_filename, filename_for
+    from lmcache_vllm.storage.chunk_file import SUFFIX, filename_for, key_from_filename
 
-    stored = [k for k in (_key_from_filename(p.name) for p in disk_dir.glob(f"*{SUFFIX}")) if k]
+    stored = [k for k in (key_from_filename(p.name) for p in disk_dir.glob(f"*{SUFFIX}")) if k]
     return [disk_dir / filename_for(key) for key in chunk_keys(stored, tokens, rank)]
 
 
