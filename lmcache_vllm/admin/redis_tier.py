@@ -1,6 +1,6 @@
 """`inspect`, `clear` and `ping` of an L3 Redis pool (redis-py, synchronous: one short-lived CLI call).
 
-Chunks live under `<prefix><key string>` (see `storage/redis_backend.py`). `inspect` reads per key its
+Chunks live under `<prefix><key string>` (see `storage/redis/backend.py`). `inspect` reads per key its
 length, the first `codec.MAX_HEADER_SIZE` bytes (GETRANGE) and its idle time (OBJECT IDLETIME: Redis
 keeps no write time, so "oldest/newest" are least/most recently used); `verify=True` also GETs each value
 as bytes to check the payload checksum. A key under the prefix that is no chunk key is not ours (left
@@ -20,7 +20,7 @@ from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
 from lmcache_vllm.observability.logs import safe_url
 from lmcache_vllm.storage import codec
-from lmcache_vllm.storage.redis_backend import glob_escape
+from lmcache_vllm.storage.redis import glob_escape
 from lmcache_vllm.tokens import CacheKey
 
 SCAN_BATCH = 500

@@ -18,7 +18,7 @@ from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
-from lmcache_vllm.storage.redis_backend import RedisBackend
+from lmcache_vllm.storage.redis import RedisBackend
 
 GB = 1 << 30
 MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
