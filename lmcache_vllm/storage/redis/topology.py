@@ -27,6 +27,7 @@ from lmcache_vllm.storage.redis.guard import CallFailed, NodeGuard
 
 logger = logging.getLogger(__name__)
 
+SCAN_BATCH = 1000  # keys per SCAN step and per UNLINK
 REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 GuardFactory = Callable[..., NodeGuard]  # (name, on_failure=...) -> a new NodeGuard
 
@@ -39,6 +40,18 @@ class Route:
     guard: NodeGuard
     indices: list[int]
     node: Any = None  # redis.asyncio.cluster.ClusterNode
+
+
+async def batched(items: AsyncIterator[Any], size: int = SCAN_BATCH) -> AsyncIterator[list[Any]]:
+    """`items` in lists of at most `size`."""
+    batch: list[Any] = []
+    async for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 async def read_reply(conn: Any) -> Any:
@@ -90,13 +103,7 @@ class Standalone:
             pass
 
     async def scan(self, match: str) -> AsyncIterator[list[Any]]:
-        batch: list[Any] = []
-        async for rkey in self.client.scan_iter(match=match, count=1000):
-            batch.append(rkey)
-            if len(batch) >= 1000:
-                yield batch
-                batch = []
-        if batch:
+        async for batch in batched(self.client.scan_iter(match=match, count=SCAN_BATCH)):
             yield batch
 
     async def close(self) -> None:
@@ -220,13 +227,7 @@ class Cluster:
         """Keys matching `match`, node by node over every primary (SCAN runs per node in a cluster)."""
         await self._ensure_ready()
         for node in self.client.get_primaries():
-            batch: list[Any] = []
-            async for rkey in self.client.scan_iter(match=match, count=1000, target_nodes=node):
-                batch.append(rkey)
-                if len(batch) >= 1000:
-                    yield batch
-                    batch = []
-            if batch:
+            async for batch in batched(self.client.scan_iter(match=match, count=SCAN_BATCH, target_nodes=node)):
                 yield batch
 
     async def close(self) -> None:
