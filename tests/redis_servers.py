@@ -101,15 +101,26 @@ class ClusterProcesses:
     (e.g. TLS or requirepass); `cli_args` to every redis-cli call (the same credentials)."""
 
     def __init__(self, workdir: Path, primaries: int = 3, *, extra: tuple[str, ...] = (),
-                 cli_args: tuple[str, ...] = (), client_kwargs: Optional[dict] = None, scheme: str = "redis-cluster"):
+                 certs: Optional[dict[str, Path]] = None):
+        """`certs` (from `make_certificates`): every node speaks only TLS, also on the cluster bus, and wants
+        client certificates; the URL is then rediss-cluster://."""
         self.workdir = workdir
-        self.cli_args = cli_args
-        self.client_kwargs = client_kwargs or {}
-        self.scheme = scheme
+        self.cli_args: tuple[str, ...] = ()
+        self.client_kwargs: dict = {}
+        self.scheme = "redis-cluster"
+        if certs is not None:
+            self.cli_args = ("--tls", "--cacert", str(certs["ca.crt"]), "--cert", str(certs["client.crt"]),
+                             "--key", str(certs["client.key"]))
+            self.client_kwargs = {"ssl": True, "ssl_ca_certs": str(certs["ca.crt"]),
+                                  "ssl_certfile": str(certs["client.crt"]), "ssl_keyfile": str(certs["client.key"])}
+            self.scheme = "rediss-cluster"
         self.nodes: list[Process] = []
         for _ in range(primaries):
             port, bus = free_port(), free_port()
-            args = _server_args(port, workdir / str(port), "--cluster-enabled", "yes", "--cluster-port", str(bus),
+            tls = ("--tls-port", str(port), "--tls-cluster", "yes", *tls_server_args(certs, client_certs=True)) \
+                if certs is not None else ()
+            args = _server_args(0 if tls else port, workdir / str(port), *tls,
+                                "--cluster-enabled", "yes", "--cluster-port", str(bus),
                                 "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
                                 "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
                                 "--enable-debug-command", "local", *extra)

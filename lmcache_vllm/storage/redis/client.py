@@ -151,6 +151,15 @@ def describe_failure(exc: BaseException, target: RedisTarget) -> tuple[str, bool
             or "packet length too long" in low:
         what, fatal = ("TLS handshake failed: the server does not speak TLS on this port; use redis:// (or "
                        "its TLS port)"), True
+    elif target.tls and ("eof occurred in violation of protocol" in low or "unexpected eof" in low):
+        what, fatal = ("the server ended the TLS connection after the handshake: it requires a client "
+                       "certificate it trusts (extra_config.ssl_certfile, ssl_keyfile)"), True
+    elif target.tls and "connection reset" in low:
+        what, fatal = ("the server reset the TLS connection: it may require a client certificate "
+                       "(extra_config.ssl_certfile, ssl_keyfile) or not speak TLS on this port"), False
+    elif target.tls and "timeout connecting" in low:
+        what, fatal = ("no TLS handshake within remote_timeout_secs: the server is unreachable, or the port "
+                       "does not speak TLS (then use redis://)"), False
     elif target.tls is False and ("connection closed by server" in low or "connection reset" in low):
         what, fatal = ("the server closed the connection at once: if it listens with TLS (tls-port), use "
                        "rediss:// (rediss-cluster://, rediss-sentinel://)"), True
