@@ -154,3 +154,15 @@ async def test_tls_cluster(certs, tmp_path):
         await backend.close()
     finally:
         cluster.stop()
+
+
+def test_admin_ping_with_tls_flags(tls_server, certs, capsys):
+    from lmcache_vllm import cli
+
+    url = f"rediss://:{PASSWORD}@127.0.0.1:{tls_server.port}"
+    files = ["--ssl-ca-certs", str(certs["ca.crt"]), "--ssl-certfile", str(certs["client.crt"]),
+             "--ssl-keyfile", str(certs["client.key"])]
+    assert cli.main(["ping", "--redis", url, *files]) == cli.EXIT_OK
+    assert cli.main(["ping", "--redis", url, *files[:2], "--timeout", "1"]) == cli.EXIT_AUTH  # no client cert
+    out = capsys.readouterr()
+    assert "tls on" in out.out and "client certificate" in out.err and PASSWORD not in out.out + out.err
