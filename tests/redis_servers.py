@@ -71,7 +71,11 @@ class Process:
                 return bool(client.ping())
             finally:
                 client.close()
-        _wait(f"port {self.port} to answer PING", answers, timeout)
+        try:
+            _wait(f"port {self.port} to answer PING", answers, timeout)
+        except BaseException:
+            self.kill()
+            raise
 
     @property
     def alive(self) -> bool:
@@ -115,8 +119,10 @@ class ClusterProcesses:
                                   "ssl_certfile": str(certs["client.crt"]), "ssl_keyfile": str(certs["client.key"])}
             self.scheme = "rediss-cluster"
         self.nodes: list[Process] = []
+        self.bus_ports: list[int] = []
         for _ in range(primaries):
             port, bus = free_port(), free_port()
+            self.bus_ports.append(bus)
             tls = ("--tls-port", str(port), "--tls-cluster", "yes", *tls_server_args(certs, client_certs=True)) \
                 if certs is not None else ()
             args = _server_args(0 if tls else port, workdir / str(port), *tls,
@@ -131,12 +137,30 @@ class ClusterProcesses:
         return f"{self.scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self) -> "ClusterProcesses":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
         for node in self.nodes:
             node.start()
-        self.cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
-                 "--cluster-yes")
+        if len(self.nodes) >= 3:
+            self.cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas",
+                     "0", "--cluster-yes")
+        else:  # redis-cli wants 3 primaries at least: assign the slots and introduce the nodes by hand
+            share = -(-16384 // len(self.nodes))
+            for i, node in enumerate(self.nodes):
+                client = node.client(**self.client_kwargs)
+                try:
+                    client.execute_command("CLUSTER ADDSLOTSRANGE", i * share, min(16383, (i + 1) * share - 1))
+                    if i:
+                        client.execute_command("CLUSTER MEET", "127.0.0.1", self.nodes[0].port, self.bus_ports[0])
+                finally:
+                    client.close()
         self.wait_agreed()
-        return self
 
     def cli(self, *args: str, timeout: float = 120.0) -> str:
         run = subprocess.run([_binary("redis-cli"), *self.cli_args, *args], capture_output=True, text=True,
@@ -238,13 +262,20 @@ class SentinelSet:
         return f"redis-sentinel://{user}{hosts}/{self.master_name}"
 
     def start(self) -> "SentinelSet":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
         self.master.start()
         self.replica.start()
         _wait("the replica to sync", lambda: self._info(self.replica, "master_link_status") == "up")
         for sentinel in self.sentinels:
             sentinel.start()
         _wait("every Sentinel to see the replica and the other Sentinels", self._sentinels_ready)
-        return self
 
     def _info(self, node: Process, field: str) -> str:
         client = node.client()
