@@ -168,14 +168,9 @@ def main() -> None:
             cluster.stop()
         proc.kill()
         proc.wait()
-    rows = [(name[:-5], value) for name, value in res.items() if name.endswith("_gbps")]
-    _common.print_table(f"redis tier scaled out: {args.clients} clients x {args.chunks} chunks x "
+    _common.report_gbps(f"redis tier scaled out: {args.clients} clients x {args.chunks} chunks x "
                         f"{res['chunk_bytes'] / 2**20:.2f} MiB, best of {res['repeats']} (GB/s); "
-                        f"{res['cpu']}, {res['cores']} cores", rows, ("path", "GB/s"))
-    for name, value in res.items():
-        if name.endswith("_ratio"):
-            print(f"{name}: {value:.2f}")
-    _common.write_json(args.json, res)
+                        f"{res['cpu']}, {res['cores']} cores", res, args.json)
 
 
 if __name__ == "__main__":

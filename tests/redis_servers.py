@@ -98,7 +98,25 @@ def _server_args(port: int, workdir: Path, *extra: str) -> list[str]:
             "--loglevel", "warning", *extra]
 
 
-class ClusterProcesses:
+class Deployment:
+    """Several processes started together: `start()` runs `_start()` and stops everything if it fails."""
+
+    def start(self):
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class ClusterProcesses(Deployment):
     """A Redis Cluster of `primaries` nodes (no replicas) made with `redis-cli --cluster create`.
 
     `url` is the redis-cluster:// URL naming every node; `extra` arguments go to every redis-server
@@ -135,14 +153,6 @@ class ClusterProcesses:
     @property
     def url(self) -> str:
         return f"{self.scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
-
-    def start(self) -> "ClusterProcesses":
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         for node in self.nodes:
@@ -224,7 +234,7 @@ class ClusterProcesses:
             node.kill()
 
 
-class SentinelSet:
+class SentinelSet(Deployment):
     """One master, one replica and three Sentinels watching them as `master_name` (quorum 2, down after
     `down_after_ms`). `url` is the redis-sentinel:// URL naming the Sentinels and the master name."""
 
@@ -260,14 +270,6 @@ class SentinelSet:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         user = f":{self.password}@" if self.password else ""
         return f"redis-sentinel://{user}{hosts}/{self.master_name}"
-
-    def start(self) -> "SentinelSet":
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         self.master.start()
