@@ -7,10 +7,13 @@ in the same run, on the same chunks:
 - `clusterN`: a Redis Cluster of N primaries through `redis-cluster://`: the tier splits each batch by node
   and runs one pipeline per node concurrently;
 - `baseline_single`: the previous single-server implementation of the tier (storage/redis_backend.py as
-  of `--baseline-rev`, loaded from git) on the same server, against our `single` (`*_vs_before_ratio`).
+  of `--baseline-rev`, loaded from git) on the same server, against our `single` (`*_vs_before_ratio`);
+  also the process CPU time per put and per read of 2 KiB chunks, where the client's own work dominates
+  (`small_*_cpu_before_vs_ours_ratio`, > 1: ours spends less).
 A round = `--clients` backends (each its own connections, as separate vLLM instances would have) storing, then
 reading, `--chunks` chunks each concurrently; throughput = all their bytes / the round's time, best of
-`--repeats` rounds, taken in turn over the deployments (a busy minute of a shared machine falls on all).
+`--repeats` rounds, taken in turn over the deployments in alternating order (a busy minute of a shared
+machine falls on all).
 The client is one Python process and every server runs on this machine: with few cores the servers, the
 client's event loop and its decode threads share them, so the scaling measured here is the tier's overhead
 and its parallel per-node pipelines, not what more machines would give (the table names the CPU and cores).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,12 +119,40 @@ class Deployment:
 
 
 async def measure(deployments: list[Deployment], repeats: int) -> None:
-    """Rounds taken in turn, deployment after deployment: a busy minute of a shared machine falls on all."""
-    for _ in range(repeats + 1):
-        for deployment in deployments:
+    """Rounds taken in turn, deployment after deployment (order reversed every other time): a busy minute of
+    a shared machine falls on all."""
+    for repeat in range(repeats + 1):
+        for deployment in deployments if repeat % 2 else deployments[::-1]:  # none always goes first
             await deployment.round()
     for deployment in deployments:
         await deployment.close()
+
+
+async def cpu_per_op(backends: dict, count: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Median process CPU seconds per put and per read chunk of small (2 KiB) chunks, where the client's own
+    work dominates: CPU time, unlike wall time, hardly moves with other jobs on a shared machine."""
+    chunks, keys, objs, dst_alloc = _common.staged_chunks(count, (2, 2, 4, 64))
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in backends}
+    for repeat in range(rounds + 1):
+        order = list(backends.items())
+        for name, backend in order if repeat % 2 else order[::-1]:  # neither always goes first
+            await backend.clear()
+            start = time.process_time()
+            if not all(await asyncio.gather(*(backend.put(k, o) for k, o in zip(keys, objs)))):
+                raise SystemExit(f"{name}: puts failed")
+            put_s = time.process_time() - start
+            start = time.process_time()
+            got = await backend.get_many(keys, lambda s, d: dst_alloc.allocate(s, d))
+            get_s = time.process_time() - start
+            for obj in got:
+                obj.ref_down()
+            if repeat:
+                times[name][0].append(put_s / count)
+                times[name][1].append(get_s / count)
+    for backend in backends.values():
+        await backend.clear()
+        await backend.close()
+    return {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}
 
 
 def main() -> None:
@@ -156,6 +188,15 @@ def main() -> None:
         if previous is not None:
             res["single_put_vs_before_ratio"] = res["single_put_gbps"] / res["baseline_single_put_gbps"]
             res["single_get_vs_before_ratio"] = res["single_get_gbps"] / res["baseline_single_get_gbps"]
+            config = LMCacheConfig(remote_url=single_url, extra_config={"remote_key_prefix": "cpu:",
+                                                                        "remote_timeout_secs": 30.0})
+            cpu = asyncio.run(cpu_per_op({"ours": RedisBackend(config), "before": previous(config)},
+                                         count=500 if args.quick else 1000, rounds=args.repeats))
+            for name, (put_s, get_s) in cpu.items():
+                res[f"{name}_small_put_cpu_us"], res[f"{name}_small_get_cpu_us"] = put_s * 1e6, get_s * 1e6
+            # > 1: ours spends less CPU per chunk than before
+            res["small_put_cpu_before_vs_ours_ratio"] = cpu["before"][0] / cpu["ours"][0]
+            res["small_get_cpu_before_vs_ours_ratio"] = cpu["before"][1] / cpu["ours"][1]
         for n, _ in clusters:
             res[f"cluster{n}_put_vs_single_ratio"] = res[f"cluster{n}_put_gbps"] / res["single_put_gbps"]
             res[f"cluster{n}_get_vs_single_ratio"] = res[f"cluster{n}_get_gbps"] / res["single_get_gbps"]
@@ -168,6 +209,10 @@ def main() -> None:
             cluster.stop()
         proc.kill()
         proc.wait()
+    for name in ("ours", "before"):
+        if f"{name}_small_put_cpu_us" in res:
+            print(f"{name}: CPU per small chunk: put {res[f'{name}_small_put_cpu_us']:.0f} us, "
+                  f"read {res[f'{name}_small_get_cpu_us']:.0f} us")
     _common.report_gbps(f"redis tier scaled out: {args.clients} clients x {args.chunks} chunks x "
                         f"{res['chunk_bytes'] / 2**20:.2f} MiB, best of {res['repeats']} (GB/s); "
                         f"{res['cpu']}, {res['cores']} cores", res, args.json)
