@@ -199,11 +199,16 @@ class RedisBackend(StorageBackend):
             if group is None:  # the node failed or its breaker is open: its keys are misses
                 failed_nodes.add(route.guard.name)
                 continue
+            hits = 0
             for i, (obj, outcome) in zip(idx, group):
                 out[i] = obj
-                self._count(outcome, route.guard.name, keys[i], corrupt)
-                if outcome == "redirect":
+                if outcome == "hits":
+                    hits += 1
+                elif outcome == "redirect":
                     redirected.append((route, i))
+                else:
+                    self._count(outcome, route.guard.name, keys[i], corrupt)
+            metrics.inc("redis_node_read_chunks", hits, node=route.guard.name)  # once per span, not per chunk
         if sum(len(idx) for _, idx in spans) < len(keys):
             failed_nodes.add("")  # keys of slots no node serves now
         for _ in failed_nodes:
