@@ -91,7 +91,7 @@ class Process:
         return redis.Redis(port=self.port, socket_timeout=5, **{**self.ping_kwargs, **kwargs})
 
 
-def _server_args(port: int, workdir: Path, *extra: str) -> list[str]:
+def server_args(port: int, workdir: Path, *extra: str) -> list[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     return [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no", "--proto-max-bulk-len", "1gb",
@@ -143,7 +143,7 @@ class ClusterProcesses(Deployment):
             self.bus_ports.append(bus)
             tls = ("--tls-port", str(port), "--tls-cluster", "yes", *tls_server_args(certs, client_certs=True)) \
                 if certs is not None else ()
-            args = _server_args(0 if tls else port, workdir / str(port), *tls,
+            args = server_args(0 if tls else port, workdir / str(port), *tls,
                                 "--cluster-enabled", "yes", "--cluster-port", str(bus),
                                 "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
                                 "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
@@ -246,8 +246,8 @@ class SentinelSet(Deployment):
         auth = ("--requirepass", password, "--masterauth", password) if password else ()
         ping = {"password": password} if password else {}
         mport, rport = free_port(), free_port()
-        self.master = Process(_server_args(mport, workdir / "master", *auth), mport, ping=ping)
-        self.replica = Process(_server_args(rport, workdir / "replica", "--replicaof", "127.0.0.1", str(mport),
+        self.master = Process(server_args(mport, workdir / "master", *auth), mport, ping=ping)
+        self.replica = Process(server_args(rport, workdir / "replica", "--replicaof", "127.0.0.1", str(mport),
                                             *auth), rport, ping=ping)
         self.sentinels: list[Process] = []
         for i in range(3):
@@ -364,7 +364,7 @@ class TlsServer(Process):
     def __init__(self, workdir: Path, certs: dict[str, Path], *, client_certs: bool = False,
                  password: Optional[str] = None):
         port = free_port()
-        args = _server_args(0, workdir, "--tls-port", str(port), *tls_server_args(certs, client_certs=client_certs))
+        args = server_args(0, workdir, "--tls-port", str(port), *tls_server_args(certs, client_certs=client_certs))
         if password:
             args += ["--requirepass", password]
         ping = {"ssl": True, "ssl_ca_certs": str(certs["ca.crt"]), "password": password}

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from redis_servers import ClusterProcesses, Process, TlsServer, _server_args, free_port, make_certificates
+from redis_servers import ClusterProcesses, Process, TlsServer, free_port, make_certificates, server_args
 
 from lmcache_vllm.config import ConfigError, LMCacheConfig
 from lmcache_vllm.memory import HostAllocator
@@ -41,7 +41,7 @@ def tls_server(certs, tmp_path_factory):
 def acl_server(tmp_path_factory):
     """A plain server with an ACL user `cache` (password PASSWORD) allowed only our key prefix."""
     port = free_port()
-    server = Process(_server_args(port, tmp_path_factory.mktemp("acl")), port)
+    server = Process(server_args(port, tmp_path_factory.mktemp("acl")), port)
     server.start()
     client = server.client()
     client.acl_setuser("cache", enabled=True, passwords=[f"+{PASSWORD}"], keys=["acl:*"],
