@@ -58,9 +58,9 @@ def load_previous_backend(rev: str | None):
     root = _common.REPO_ROOT
     try:
         if rev is None:
-            removed = subprocess.run(["git", "rev-list", "-1", "HEAD", "--", OLD_MODULE], cwd=root, check=True,
-                                     capture_output=True, text=True).stdout.strip()
-            rev = f"{removed}^"
+            # the last commit that wrote it (through merges: --diff-filter=AM skips the one removing it)
+            rev = subprocess.run(["git", "log", "-1", "--format=%H", "--diff-filter=AM", "HEAD", "--", OLD_MODULE],
+                                 cwd=root, check=True, capture_output=True, text=True).stdout.strip()
         source = subprocess.run(["git", "show", f"{rev}:{OLD_MODULE}"], cwd=root, check=True, capture_output=True,
                                 text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:

@@ -30,8 +30,8 @@ def test_credentials_stay_out_of_repr_and_display():
     target = parse_remote_url("rediss-sentinel://svc%40x:p%3Ass@s1:1,s2:2/m")
     assert (target.username, target.password) == ("svc@x", "p:ss")
     assert "p:ss" not in repr(target) and "p%3Ass" not in repr(target)
-    assert target.display() == "rediss-sentinel://svc@x:***@s1:1,s2:2/m"
-    assert parse_remote_url("redis-cluster://:pw@a:1").display() == "redis-cluster://***@a:1"
+    assert target.display() == "rediss-sentinel://svc%40x:***@s1:1,s2:2/m"
+    assert parse_remote_url("redis-cluster://:pw@a:1").display() == "redis-cluster://:***@a:1"
     assert parse_remote_url("unix:///run/r.sock?db=2").display() == "unix:///run/r.sock?db=2"
     report = inspect_config({"remote_url": "redis-cluster://u:secret@a:1,b:2/9"})
     assert "secret" not in str(report.problems[0]) and "u:***@a:1,b:2" in str(report.problems[0])

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 from urllib.parse import unquote, urlsplit
 
+from lmcache_vllm.config.redact import redact_url
+
 
 class Topology(enum.Enum):
     SINGLE = "single"  # one server over TCP
@@ -42,10 +44,11 @@ SCHEMES: dict[str, tuple[Topology, bool]] = {
 DEFAULT_PORT = {Topology.SINGLE: 6379, Topology.CLUSTER: 6379, Topology.SENTINEL: 26379}
 SENTINEL_SERVICE_ENV = "REDIS_SERVICE_NAME"  # LMCache's name for the Sentinel master name
 DEFAULT_SENTINEL_SERVICE = "redismaster"  # LMCache's default when REDIS_SERVICE_NAME is unset
-ACCEPTED = ("redis://[user:pw@]host:port[/db] (or rediss:// with TLS; valkey://, valkeys://), "
-            "unix:///path/to/redis.sock, redis-cluster://[user:pw@]host:port[,host:port...] (or "
-            "rediss-cluster://, valkey-cluster://), redis-sentinel://[user:pw@]host:port[,host:port...]"
-            "[/master_name] (or rediss-sentinel://)")
+# No user:password@ inside the URL forms: error texts are redacted (config/redact.py), which would mask it.
+ACCEPTED = ("redis://host:port[/db] (or rediss:// with TLS; valkey://, valkeys://), unix:///path/to/redis.sock, "
+            "redis-cluster://host:port[,host:port...] (or rediss-cluster://, valkey-cluster://), "
+            "redis-sentinel://host:port[,host:port...][/master_name] (or rediss-sentinel://); a user and "
+            "password go before the host(s) as user:password@")
 
 
 @dataclass(frozen=True)
@@ -69,20 +72,8 @@ class RedisTarget:
         return self.topology in (Topology.CLUSTER, Topology.SENTINEL)
 
     def display(self) -> str:
-        """The URL without its password (for logs, errors, metric labels and reports)."""
-        if self.topology is Topology.UNIX:
-            return f"unix://{self.unix_path}" + (f"?db={self.db}" if self.db else "")
-        user = f"{self.username}:***@" if self.password is not None and self.username else \
-            "***@" if self.password is not None else f"{self.username}@" if self.username else ""
-        hosts = ",".join(_hostport(h, p) for h, p in self.nodes)
-        path = f"/{self.master_name}" if self.master_name else ""
-        if self.db:
-            path += f"/{self.db}"
-        return f"{self.scheme}://{user}{hosts}{path}"
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        """The URL without its password (for logs, errors, metric labels and reports; `redact.redact_url`)."""
+        return redact_url(self.url)
 
 
 def parse_remote_url(url: str) -> RedisTarget:

@@ -12,9 +12,15 @@ import os
 from typing import Any, Optional
 from urllib.parse import quote
 
-from lmcache_vllm.config.lmcache import (CACHE_POLICIES, HASH_NAMES, MAPPED, REMOTE_SCHEME_DEFAULT,
-                                         REMOTE_SCHEMES, REMOTE_SERDE)
 from lmcache_vllm.config.fields import Problem
+from lmcache_vllm.config.lmcache import (
+    CACHE_POLICIES,
+    HASH_NAMES,
+    MAPPED,
+    REMOTE_SCHEME_DEFAULT,
+    REMOTE_SCHEMES,
+    REMOTE_SERDE,
+)
 from lmcache_vllm.config.remote_url import SCHEMES, parse_remote_url
 
 SUPPORTED_REMOTE_SCHEMES = tuple(SCHEMES)

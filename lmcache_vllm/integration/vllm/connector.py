@@ -71,6 +71,8 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
 
     caches = list(kv_caches.values())
     kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
+    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
     identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
@@ -110,12 +112,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             self.config.enable_kv_events and role == KVConnectorRole.SCHEDULER) else None
         if role == KVConnectorRole.SCHEDULER:
             client = LookupClient(sizes.lookup_addresses(instance_id), timeout_ms=self.config.lookup_timeout_ms)
-            self._scheduler = SchedulerHalf(
-                chunk_size=self.config.chunk_size, block_size=block_size, lookup_client=client,
-                can_load=self.can_load, can_save=self.can_save,
-                save_unfull_chunk=self.config.save_unfull_chunk,
-                save_decode_cache=self.config.save_decode_cache,
-                async_loading=self.config.enable_async_loading)
+            self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
+                                            can_load=self.can_load, can_save=self.can_save)
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank

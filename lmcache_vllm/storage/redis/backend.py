@@ -34,6 +34,7 @@ import redis.asyncio.cluster as aiocluster
 from redis.exceptions import RedisError
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.config.redact import redact_text, remember_secret
 from lmcache_vllm.config.remote_url import parse_remote_url
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
@@ -68,6 +69,10 @@ class RedisBackend(StorageBackend):
                     mac: codec.ChunkMac | None = None) -> RedisBackend | None:
         return cls(config, mac=mac) if config.remote_url else None
 
+    @classmethod
+    def writable_by_others(cls, config: LMCacheConfig) -> str | None:
+        return "every instance and anyone who can reach the Redis server writes it" if config.remote_url else None
+
     def __init__(self, config: LMCacheConfig, *, mac: codec.ChunkMac | None = None,
                  breaker_base_secs: float = 0.5, check_at_start: bool = True):
         """The Redis named by `config.remote_url`, with the `extra_config.remote_*` and `ssl_*` settings;
@@ -78,6 +83,7 @@ class RedisBackend(StorageBackend):
         if not config.remote_url:
             raise ValueError("RedisBackend needs remote_url")
         self.target = parse_remote_url(config.remote_url)
+        remember_secret(self.target.password)  # redacted from any text we show from now on
         self.location = self.target.display()  # the URL without its password
         self.mac = mac
         self.prefix = extra.remote_key_prefix
@@ -109,6 +115,9 @@ class RedisBackend(StorageBackend):
             self._check_at_start(settings)
         self._unregister_gauges = metrics.register_gauges(self._node_gauges)
 
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.location!r}, prefix={self.prefix!r})"
+
     def _check_at_start(self, settings: ClientSettings) -> None:
         found = preflight(self.target, settings)
         if found is None:
@@ -129,7 +138,7 @@ class RedisBackend(StorageBackend):
         return any(guard.is_open for guard in self.topology.guards())
 
     def gauges(self) -> dict[str, float]:
-        return {"breaker_open": int(self.breaker_open)}
+        return {"breaker_open": int(self.breaker_open), "unprotected_shared_tier": int(self.mac is None)}
 
     def _node_gauges(self) -> Iterator[tuple[str, dict[str, Any], float]]:
         for guard in self.topology.guards():
@@ -361,7 +370,7 @@ class RedisBackend(StorageBackend):
                 for rkey in rkeys:
                     kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name.medium)
         except CALL_ERRORS as exc:
-            logger.warning("clearing redis %s failed: %s: %s", self.location, type(exc).__name__, exc)
+            logger.warning("clearing redis %s failed: %s: %s", self.location, type(exc).__name__, redact_text(str(exc)))
             return False
         return True
 

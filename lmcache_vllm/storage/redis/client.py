@@ -33,6 +33,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, Respons
 from redis.retry import Retry
 
 from lmcache_vllm.config import ExtraConfig
+from lmcache_vllm.config.redact import redact_text, remember_secret
 from lmcache_vllm.config.remote_url import RedisTarget, Topology, sentinel_master_name
 
 
@@ -173,9 +174,8 @@ def describe_failure(exc: BaseException, target: RedisTarget) -> tuple[str, bool
         what, fatal = "the nodes of a redis-sentinel:// URL must be Sentinels (port 26379 by default)", True
     else:
         what, fatal = f"unreachable ({text})", False
-    if target.password:
-        what = what.replace(target.password, "***")
-    return what, fatal
+    remember_secret(target.password)
+    return redact_text(what), fatal
 
 
 def preflight(target: RedisTarget, settings: ClientSettings) -> tuple[str, bool] | None:

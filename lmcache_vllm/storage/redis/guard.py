@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError
 
+from lmcache_vllm.config.redact import redact_text
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.tier import Tier
 
@@ -84,7 +85,7 @@ class NodeGuard:
         delay = min(self.max_secs, self.base_secs * (2 ** self._failures))
         if self._failures == 0:
             logger.warning("redis node %s failed (%s: %s); its keys are misses for %.1fs",
-                           self.name, type(exc).__name__, exc, delay)
+                           self.name, type(exc).__name__, redact_text(str(exc)), delay)
         self._failures += 1
         self._retry_at = time.monotonic() + delay
         self._probing = False

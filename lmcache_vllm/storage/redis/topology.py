@@ -23,6 +23,7 @@ from typing import Any
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, RedisError, TryAgainError
 
+from lmcache_vllm.config.redact import redact_text
 from lmcache_vllm.storage.redis.guard import CallFailed, NodeGuard
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ class Cluster:
             nodes = len(self.client.nodes_manager.startup_nodes) + 1
             await asyncio.wait_for(self.client.nodes_manager.initialize(), self._timeout * nodes)
         except Exception as exc:  # the next failure tries again
-            logger.debug("redis cluster slot map refresh failed: %r", exc)
+            logger.debug("redis cluster slot map refresh failed: %s", redact_text(repr(exc)))
 
     async def scan(self, match: str) -> AsyncIterator[list[Any]]:
         """Keys matching `match`, node by node over every primary (SCAN runs per node in a cluster)."""
