@@ -5,12 +5,18 @@ Baselines measured in the same run on the same bytes and directory filesystem:
   preallocated buffer;
 - with `--vs-lmcache PYTHON` (an interpreter with LMCache 0.5.6, see scripts/make_lmcache_venv.sh):
   LMCache's own `LocalDiskBackend` (benchmarks/peers/lmcache_disk_peer.py) on the same geometry.
+- how fast this disk gives up our own chunk files, read sequentially: `dd`-style (one stream, 32 MiB reads
+  into one page-aligned buffer, file after file) and `fio`-style (`--io-threads` such streams at once), each
+  with O_DIRECT (`iflag=direct`; refused on tmpfs: buffered) and through the page cache (read-ahead):
+  `cold_read_vs_best_sequential_ratio` compares our cold read with the fastest of the four (1.0 = as fast
+  as any plain sequential reader of the same files on the same disk).
 "Cold" = the files' pages are dropped from the page cache (fsync + POSIX_FADV_DONTNEED) before each read.
 Ratios > 1 mean lmcache-vllm is faster. Targets: cold read >= 1.5x LMCache, write >= 0.8x plain write.
 
 Our backend writes with O_DIRECT by default (no page cache: far less CPU per byte, bounded by the
 device); it is measured a second time with `disk_direct_io: false`, like the plain baseline, which
-writes into the page cache. Write CPU seconds per GiB are reported for all three.
+writes into the page cache (reads go through the page cache either way). Write CPU seconds per GiB are
+reported for all three.
 With `--mac` the O_DIRECT configuration runs a third time with a keyed chunk MAC (`extra_config.
 chunk_mac_key`: keyed BLAKE3 over header and payload on every write and read) and its write / cold read
 GB/s are reported as ratios to the same backend without MAC (1.0 = free).
@@ -19,11 +25,14 @@ GB/s are reported as ratios to the same backend without MAC (1.0 = free).
 from __future__ import annotations
 
 import asyncio
+import errno
+import mmap
 import os
 import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
@@ -41,6 +50,41 @@ def _cpu_timed(fn, best: dict):
         fn()
         best["cpu"] = min(best.get("cpu", float("inf")), time.process_time() - cpu0)
     return timed
+
+
+SEQUENTIAL_BLOCK = 32 << 20  # dd bs=32M
+
+
+def read_files(paths: list[str], streams: int, direct: bool) -> bool:
+    """Reads every file of `paths` front to back in SEQUENTIAL_BLOCK pieces, `streams` files at a time, with
+    O_DIRECT when `direct` and the file system takes it; returns whether O_DIRECT was used."""
+    direct = [direct and hasattr(os, "O_DIRECT")]
+
+    def read_one(path: str, buf: mmap.mmap) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct[0] else 0))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            direct[0] = False
+            fd = os.open(path, os.O_RDONLY)
+        view = memoryview(buf)
+        try:
+            offset = 0
+            while n := os.preadv(fd, [view], offset):
+                offset += n
+        finally:
+            view.release()
+            os.close(fd)
+
+    buffers = [mmap.mmap(-1, SEQUENTIAL_BLOCK) for _ in range(streams)]  # page-aligned, as O_DIRECT needs
+    try:
+        with ThreadPoolExecutor(streams) as pool:
+            list(pool.map(lambda i: [read_one(p, buffers[i]) for p in paths[i::streams]], range(streams)))
+    finally:
+        for buf in buffers:
+            buf.close()
+    return direct[0]
 
 
 def add_arguments(parser) -> None:
@@ -138,7 +182,21 @@ def main() -> None:
         return write_s, read_s, state["cpu"], used_direct
 
     ours_write_s, ours_read_s, ours_write_cpu, used_direct = measure_ours(True)
-    buffered_write_s, _, buffered_write_cpu, _ = measure_ours(False)
+    # Plain sequential readers of the files our backend just wrote (headers included: the same bytes).
+    files = sorted(os.path.join(ours_dir, n) for n in os.listdir(ours_dir) if not n.startswith("."))
+    file_bytes = sum(os.path.getsize(f) for f in files)
+    sequential_rows = []
+    for streams, style in ((1, "dd"), (args.io_threads, "fio")):
+        for direct in (True, False):
+            seconds = _common.best_of(lambda s=streams, d=direct: read_files(files, s, d), repeats, warmup=0,
+                                      setup=lambda: _common.drop_page_cache(ours_dir))
+            used = read_files(files[:1], 1, direct)
+            name = f"{style}_{'direct' if direct else 'page_cache'}_read_gbps"
+            results[name] = _common.gbps(file_bytes, seconds)
+            sequential_rows.append((f"{style}-style: {streams} stream{'s' * (streams > 1)}, 32 MiB reads, "
+                                    f"{'O_DIRECT' if used else 'page cache'}", float("nan"), results[name]))
+    results["best_sequential_read_gbps"] = max(row[2] for row in sequential_rows)
+    buffered_write_s, buffered_read_s, buffered_write_cpu, _ = measure_ours(False)
     if args.mac:
         mac_write_s, mac_read_s, _, _ = measure_ours(True, ChunkMac("benchmark secret"))
         results.update(mac_write_gbps=_common.gbps(total, mac_write_s), mac_cold_read_gbps=_common.gbps(total, mac_read_s),
@@ -152,6 +210,7 @@ def main() -> None:
         "ours_cold_read_gbps": _common.gbps(total, ours_read_s),
         "ours_write_direct_io": used_direct,
         "ours_page_cache_write_gbps": _common.gbps(total, buffered_write_s),
+        "ours_page_cache_cold_read_gbps": _common.gbps(total, buffered_read_s),
         # CPU seconds of this process per GiB written (best repeat): what a write costs the serving host.
         "plain_write_cpu_s_per_gib": plain_write_cpu * 2**30 / total,
         "ours_write_cpu_s_per_gib": ours_write_cpu * 2**30 / total,
@@ -160,10 +219,13 @@ def main() -> None:
     results["page_cache_write_vs_plain_ratio"] = results["ours_page_cache_write_gbps"] / results["plain_write_gbps"]
     results["write_vs_plain_ratio"] = results["ours_write_gbps"] / results["plain_write_gbps"]
     results["cold_read_vs_plain_ratio"] = results["ours_cold_read_gbps"] / results["plain_cold_read_gbps"]
+    results["cold_read_vs_best_sequential_ratio"] = (results["ours_cold_read_gbps"]
+                                                     / results["best_sequential_read_gbps"])
     rows = [("plain file I/O", results["plain_write_gbps"], results["plain_cold_read_gbps"]),
             ("lmcache-vllm LocalDiskBackend" + (" (O_DIRECT)" if used_direct else ""), results["ours_write_gbps"],
              results["ours_cold_read_gbps"]),
-            ("lmcache-vllm, disk_direct_io: false", results["ours_page_cache_write_gbps"], float("nan"))]
+            ("lmcache-vllm, disk_direct_io: false", results["ours_page_cache_write_gbps"],
+             results["ours_page_cache_cold_read_gbps"]), *sequential_rows]
     if args.mac:
         rows.append(("lmcache-vllm with chunk MAC", results["mac_write_gbps"], results["mac_cold_read_gbps"]))
 

@@ -9,7 +9,8 @@ scattered-slots case (random slots with holes and -1) where the per-token path r
 into device memory and into pinned host memory against a device-to-device copy and a raw pinned copy
 (cudaMemcpyAsync) of the same bytes, `calls` back-to-back operations between two CUDA events.
 
-    python benchmarks/bench_ops.py [--quick] [--json FILE] [--threads N] [--isa auto|avx512|sse2|scalar]
+    python benchmarks/bench_ops.py [--quick] [--json FILE] [--threads N] [--isa auto|avx512|avx2|sse2|scalar]
+                                   [--clock wall|cpu]
 Ratios (`*_ratio`, best rounds; `*_median_ratio`: median of same-round ratios): op_vs_torch = torch time / op time (target >= 2); op_vs_copy = copy time / op time
 (target >= 0.9), for gather (store), scatter (retrieve) and both together.
 """
@@ -19,21 +20,21 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
+from _common import add_clock_argument, clock, set_clock
 
 from lmcache_vllm import ops
-from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
+from lmcache_vllm.layouts import detect_layout
 
 
 def timed(fn: Callable[[], None], calls: int) -> float:
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def interleaved(contenders: dict[str, Callable[[], None]], rounds: int, calls: int,
@@ -191,19 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     parser.add_argument("--json", metavar="FILE", help="write one flat JSON object of results")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--isa", default="auto", help="compiled CPU kernels: auto, avx512, sse2 or scalar")
+    parser.add_argument("--isa", default="auto", help="compiled CPU kernels: auto, avx512, avx2, sse2 or scalar")
+    add_clock_argument(parser)
     args = parser.parse_args(argv)
+    set_clock(args.clock)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds, calls = (7, 3) if args.quick else (21, 5)
-    results: dict[str, object] = {"threads": torch.get_num_threads(), "cpu_ext": ops.cpu_ext() is not None}
+    results: dict[str, object] = {"threads": torch.get_num_threads(), "cpu_ext": ops.cpu_ext() is not None,
+                                  "clock": args.clock}
     if ops.cpu_ext() is not None:
         error = ops.cpu_ext().set_isa(args.isa)
         if error:
             parser.error(error)
         results["cpu_isa"] = ops.cpu_ext().isa()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled CPU op: {results['cpu_ext']} "
-          f"(kernels: {results.get('cpu_isa')})")
+          f"(kernels: {results.get('cpu_isa')}), {args.clock} clock")
     for isa in ("vec", "amx"):
         bench_cpu(isa, "blocks", rounds, calls, results)
     bench_cpu("vec", "midblock", max(3, rounds // 2), calls, results)

@@ -9,6 +9,14 @@ VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on
   + ours with L1 only; + ours with L1 + disk, then the same prompts again (pass 2: all in L1); + ours
   restarted on that warm disk (a fresh L1, compared with pass 2); with
   `--vs-lmcache PYTHON`: LMCache's server mode (`lmcache server` + vLLM's LMCacheMPConnector, L1 only).
+- the device limit: vLLM alone with a KV cache that holds every prefix (`--device-kv-gib`, default 4 GiB
+  for the full workload's ~1.5 GB of KV), the reuse prompts twice: its pass 2 is all hits from vLLM's own
+  cache, the limit our pass 2 (all hits from our L1, vLLM's 1 GiB too small to keep the prefixes) is
+  compared with: `warm_l1_vs_device_throughput_ratio` (goal >= 0.9) and
+  `warm_l1_ttft_p50_device_over_ours_ratio` (goal >= 1 / 1.2). With `--quick` the tiny model's prefixes fit
+  vLLM's 1 GiB too, so there both passes 2 are mostly vLLM's own hits: a smoke test of the plumbing only.
+  Our chunks are 256 tokens (`--chunk-size`); vLLM's blocks are 128, so on a 3064-token prompt vLLM hits
+  2944 tokens and 256-token chunks 2816: `--chunk-size 128` removes that difference.
 - no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
 - slow tier (reuse, vLLM's prefix cache off, a small L1 over a real Redis): Redis answering, then Redis
   frozen (DEBUG SLEEP) for a while every few seconds: the TTFT of the requests that wait for it rises, the
@@ -62,8 +70,8 @@ def workloads(quick: bool) -> dict[str, list[str]]:
             "slow": shared_prefixes(20, 3000, 64, 32, 60)}
 
 
-def ours(extra: dict) -> dict:
-    return dict(CONNECTOR, kv_connector_extra_config={"chunk_size": 256, **extra})
+def ours(extra: dict, chunk_size: int) -> dict:
+    return dict(CONNECTOR, kv_connector_extra_config={"chunk_size": chunk_size, **extra})
 
 
 def lmcache_peer(port: int) -> dict:
@@ -110,10 +118,11 @@ def cache_tokens(before: dict, after: dict) -> dict:
 
 def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: list[str],
             max_model_len: int, python: str | None = None, during=None, prefix_caching: bool = True,
-            passes: int = 1) -> dict[str, dict]:
-    """Starts a server (ours, vLLM alone or the peer), warms it with one request, runs the load `passes`
-    times (the same prompts again: pass 2 finds them cached): {name, name_pass2, ...: row}."""
-    env = vllm_env(tmp / name, multiprocessing=True, kv_cache_gib=1)
+            passes: int = 1, kv_cache_gib: int = 1) -> dict[str, dict]:
+    """Starts a server (ours, vLLM alone or the peer) with `kv_cache_gib` of vLLM KV cache, warms it with one
+    request, runs the load `passes` times (the same prompts again: pass 2 finds them cached):
+    {name, name_pass2, ...: row}."""
+    env = vllm_env(tmp / name, multiprocessing=True, kv_cache_gib=kv_cache_gib)
     if python is not None:  # the peer: LMCache's connector must import in the server's interpreter
         env["PYTHONPATH"] = _common.REPO_ROOT
     print(f"\n-- {name}: starting the server", flush=True)
@@ -189,6 +198,11 @@ def ratios(rows: dict) -> dict:
         "reuse_ttft_p99_vllm_over_ours_ratio": r("reuse_ours_l1_disk", "reuse_vllm", "p99_ttft_ms", True),
         "reuse_throughput_vs_lmcache_ratio": r("reuse_ours_l1", "reuse_lmcache", "request_throughput"),
         "reuse_ttft_p50_lmcache_over_ours_ratio": r("reuse_ours_l1", "reuse_lmcache", "p50_ttft_ms", True),
+        # a warm L1 (our pass 2) against vLLM's own cache holding every prefix (its pass 2): the device limit
+        "warm_l1_vs_device_throughput_ratio": r("reuse_ours_l1_disk_pass2", "reuse_vllm_device_pass2",
+                                                "request_throughput"),
+        "warm_l1_ttft_p50_device_over_ours_ratio": r("reuse_ours_l1_disk_pass2", "reuse_vllm_device_pass2",
+                                                     "p50_ttft_ms", True),
         # a fresh server on the warm disk against the same prompts again from a warm L1 (pass 2)
         "restart_vs_warm_l1_throughput_ratio": r("reuse_ours_restart", "reuse_ours_l1_disk_pass2",
                                                  "request_throughput"),
@@ -234,6 +248,9 @@ def main() -> None:
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode as the peer")
         p.add_argument("--only", nargs="*", help="run only these configurations (names as in the output)")
+        p.add_argument("--chunk-size", type=int, default=256, help="our chunk size (vLLM's blocks: 128)")
+        p.add_argument("--device-kv-gib", type=int, default=None,
+                       help="vLLM's KV cache of the device-limit run (default 4, --quick 1): holds every prefix")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     args.json = args.json or os.path.join(OUT, "serving.json")
@@ -255,17 +272,21 @@ def main() -> None:
                 "extra_config": {"remote_timeout_secs": 10.0}}
         plan = [
             ("reuse_vllm", None, "reuse", {}),
-            ("reuse_ours_l1", ours({"max_local_cpu_size": l1_gb}), "reuse", {}),
+            # the device limit: every prefix in vLLM's own KV cache on pass 2
+            ("reuse_vllm_device", None, "reuse", {"passes": 2,
+                                                  "kv_cache_gib": args.device_kv_gib or (1 if args.quick else 4)}),
+            ("reuse_ours_l1", ours({"max_local_cpu_size": l1_gb}, args.chunk_size), "reuse", {}),
             # pass 2: the same prompts again, every prefix in L1 (the warm run a restart is compared with)
-            ("reuse_ours_l1_disk", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {"passes": 2}),
-            ("reuse_ours_restart", ours({"max_local_cpu_size": l1_gb, **disk}), "reuse", {}),
+            ("reuse_ours_l1_disk", ours({"max_local_cpu_size": l1_gb, **disk}, args.chunk_size), "reuse",
+             {"passes": 2}),
+            ("reuse_ours_restart", ours({"max_local_cpu_size": l1_gb, **disk}, args.chunk_size), "reuse", {}),
             ("random_vllm", None, "random", {}),
-            ("random_ours", ours({"max_local_cpu_size": l1_gb, **disk}), "random", {}),
+            ("random_ours", ours({"max_local_cpu_size": l1_gb, **disk}, args.chunk_size), "random", {}),
             # vLLM's prefix cache off: its 1 GiB would hold this workload, and every repeat must come from
             # our tiers (a small L1 over Redis) for the slow tier to matter
-            ("slow_redis", ours(slow), "slow", {"prefix_caching": False}),
+            ("slow_redis", ours(slow, args.chunk_size), "slow", {"prefix_caching": False}),
             ("slow_redis_frozen", ours(dict(slow, extra_config={"remote_timeout_secs": 10.0,
-                                                                  "remote_key_prefix": "frozen:"})),
+                                                                  "remote_key_prefix": "frozen:"}), args.chunk_size),
              "slow", {"during": freezer(redis_url, 1.0, 4.0), "prefix_caching": False}),
         ]
         try:
@@ -299,7 +320,7 @@ def main() -> None:
          r["mean_e2el_ms"], int(r["prompt_tokens"]), int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]),
          int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]))
         for n, r in rows.items()], headers)
-    res = {"model": size, "cpu": _common.cpu_model(), **ratios(rows),
+    res = {"model": size, "cpu": _common.cpu_model(), "chunk_size": args.chunk_size, **ratios(rows),
            **{f"{name}.failed": why for name, why in failed.items()}}
     for name, row in rows.items():
         for key, value in row.items():

@@ -41,7 +41,9 @@ def extension_modules():
         return [], {}
 
     cxx_flags = ["-O3", "-fopenmp", "-fno-strict-aliasing"]
+    # depends: an edited kernel header rebuilds the op (setuptools compares only these files' times).
     modules = [CppExtension("lmcache_vllm._cpu_ops", [_rel("cpu_ops.cpp")],
+                            depends=[_rel(h) for h in ("cpu_ops_avx2.h", "cpu_ops_avx512.h", "op_errors.h")],
                             extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])]
     if torch.version.cuda and _nvcc_available() and os.environ.get("LMCACHE_VLLM_NO_CUDA_EXT") != "1":
         gencode = []

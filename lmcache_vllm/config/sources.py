@@ -39,7 +39,7 @@ OVERRIDES_SOURCE = "kv_connector_extra_config"
 OWN_ENV_VARS = {
     CONFIG_FILE_ENV: "the YAML configuration file",
     "LMCACHE_VLLM_OPS": "auto (default) or torch: the compiled gather/scatter ops or the torch fallback",
-    "LMCACHE_VLLM_CPU_ISA": "forces the compiled CPU op's kernels (avx512, sse2, scalar)",
+    "LMCACHE_VLLM_CPU_ISA": "forces the compiled CPU op's kernels (avx512, avx2, sse2, scalar)",
     "LMCACHE_VLLM_MODEL_CACHE": "where the tests' local models are built",
     "LMCACHE_VLLM_CHUNK_MAC_KEY": "secret of the keyed MAC of stored chunks (as extra_config.chunk_mac_key)",
     "LMCACHE_VLLM_NO_EXT": "1: build no compiled extension (setup.py)",

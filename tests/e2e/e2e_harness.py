@@ -92,6 +92,15 @@ def flip_payload_bytes(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def payload_bytes(path: Path) -> bytes:
+    """A stored chunk's KV bytes (its header, which carries no KV, left out)."""
+    from lmcache_vllm.storage.codec import parse_header
+
+    data = path.read_bytes()
+    header = parse_header(data)
+    return data[header.header_len:header.header_len + header.payload_len]
+
+
 def replace_payload(path: Path, seed: int = 1) -> None:
     """Rewrites a stored chunk with other, well-formed KV numbers under a valid checksum."""
     import torch
