@@ -58,12 +58,14 @@ def load_previous_backend(rev: str | None):
     root = _common.REPO_ROOT
     try:
         if rev is None:
-            # the last commit that wrote it (through merges: --diff-filter=AM skips the one removing it)
-            rev = subprocess.run(["git", "log", "-1", "--format=%H", "--diff-filter=AM", "HEAD", "--", OLD_MODULE],
-                                 cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+            # the newest commit (merges included) that still has it: the tier just before storage/redis/
+            revs = subprocess.run(["git", "rev-list", "--full-history", "HEAD", "--", OLD_MODULE], cwd=root,
+                                  check=True, capture_output=True, text=True).stdout.split()
+            rev = next(r for r in revs if subprocess.run(["git", "cat-file", "-e", f"{r}:{OLD_MODULE}"], cwd=root,
+                                                         capture_output=True).returncode == 0)
         source = subprocess.run(["git", "show", f"{rev}:{OLD_MODULE}"], cwd=root, check=True, capture_output=True,
                                 text=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, subprocess.CalledProcessError, StopIteration) as exc:
         print(f"no previous backend from git ({exc}); skipping the comparison with it")
         return None, None
     path = Path(tempfile.mkdtemp(prefix="lmcache-bench-old-")) / "previous_redis_backend.py"
