@@ -114,6 +114,16 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def report_gbps(title: str, results: dict, json_path: Optional[str]) -> None:
+    """Prints every `*_gbps` result as a table and every `*_ratio` on its own line; writes the JSON."""
+    rows = [(name[:-5], value) for name, value in results.items() if name.endswith("_gbps")]
+    print_table(title, rows, ("path", "GB/s"))
+    for name, value in results.items():
+        if name.endswith("_ratio"):
+            print(f"{name}: {value:.2f}")
+    write_json(json_path, results)
+
+
 def write_json(path: Optional[str], results: dict) -> None:
     """Writes `results` (must be flat: str keys, scalar values) to `path` when given."""
     for key, value in results.items():

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from lmcache_vllm.storage import codec  # noqa: E402
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
-from lmcache_vllm.storage.redis_backend import RedisBackend  # noqa: E402
+from lmcache_vllm.storage.redis import RedisBackend  # noqa: E402
 
 
 def add_arguments(parser) -> None:
@@ -159,13 +159,8 @@ def main() -> None:
         proc.kill()
         proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
-    rows = [(name[:-5], value) for name, value in res.items() if name.endswith("_gbps")]
-    _common.print_table(f"redis tier: {res['chunks']} chunks x {res['chunk_bytes'] / 2**20:.1f} MiB, "
-                        f"best of {res['repeats']} (GB/s)", rows, ("path", "GB/s"))
-    for name, value in res.items():
-        if name.endswith("_ratio"):
-            print(f"{name}: {value:.2f}")
-    _common.write_json(args.json, res)
+    _common.report_gbps(f"redis tier: {res['chunks']} chunks x {res['chunk_bytes'] / 2**20:.1f} MiB, "
+                        f"best of {res['repeats']} (GB/s)", res, args.json)
 
 
 if __name__ == "__main__":

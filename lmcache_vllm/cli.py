@@ -58,9 +58,16 @@ def _parser() -> argparse.ArgumentParser:
         if not redis_only:
             where.add_argument("--disk", metavar="DIR", help="an L2 chunk directory (local_disk)")
         where.add_argument("--redis", metavar="URL", help="redis://[user:password@]host:port/db, rediss://, "
-                                                          "unix:///path")
+                                                          "unix:///path, redis-cluster://h:p,h:p, "
+                                                          "redis-sentinel://h:p,h:p/master (as remote_url)")
         p.add_argument("--prefix", default=None, help="Redis key prefix (default: extra_config.remote_key_prefix's)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds per Redis call")
+        for name, what in (("ca-certs", "PEM file of the CAs of the servers' certificates"),
+                           ("certfile", "PEM file of our client certificate"),
+                           ("keyfile", "PEM file of the client certificate's key")):
+            p.add_argument(f"--ssl-{name}", default=None, help=f"TLS URLs: {what} (as extra_config.ssl_*)")
+        p.add_argument("--ssl-cert-reqs", default="required", choices=("required", "optional", "none"),
+                       help="TLS URLs: check the servers' certificates (as extra_config.ssl_cert_reqs)")
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     p = sub.add_parser("inspect", help="what a tier holds")
@@ -89,6 +96,13 @@ def _confirm(question: str) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
+def _redis_settings(args: argparse.Namespace):
+    from lmcache_vllm.storage.redis.client import ClientSettings
+
+    return ClientSettings(timeout=args.timeout, ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile,
+                          ssl_keyfile=args.ssl_keyfile, ssl_cert_reqs=args.ssl_cert_reqs)
+
+
 def _run_tool(args: argparse.Namespace) -> int:
     from lmcache_vllm.admin import report as rep
     from lmcache_vllm.config.redact import redact_url, remember_secret, url_password
@@ -101,7 +115,7 @@ def _run_tool(args: argparse.Namespace) -> int:
             result = inspect_disk(args.disk, verify=args.verify)
         else:
             from lmcache_vllm.admin.redis_tier import inspect_redis
-            result = inspect_redis(args.redis, prefix, verify=args.verify, timeout=args.timeout)
+            result = inspect_redis(args.redis, prefix, verify=args.verify, settings=_redis_settings(args))
         print(rep.dumps(result.to_dict()) if args.json else rep.format_report(result))
         return EXIT_CORRUPT if result.num_corrupt else EXIT_OK
     if args.command == "clear":
@@ -115,7 +129,7 @@ def _run_tool(args: argparse.Namespace) -> int:
         else:
             from lmcache_vllm.admin.redis_tier import clear_redis
             result = clear_redis(args.redis, prefix, namespace=args.model, dry_run=args.dry_run,
-                                 timeout=args.timeout)
+                                 settings=_redis_settings(args))
         result = dict(result, dry_run=args.dry_run)
         print(rep.dumps(result) if args.json else
               ("would remove " if args.dry_run else "removed ") + ", ".join(f"{v} {k}" for k, v in result.items()
@@ -123,12 +137,13 @@ def _run_tool(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.command == "ping":
         from lmcache_vllm.admin.redis_tier import ping_redis
-        result = ping_redis(args.redis, count=args.count, timeout=args.timeout)
+        result = ping_redis(args.redis, count=args.count, settings=_redis_settings(args))
         if args.json:
             print(rep.dumps(result))
         elif result["ok"]:
             ms = result["ping_ms"]
-            print(f"{result['url']}: ok (tls {'on' if result['tls'] else 'off'}, auth {result['auth']}); "
+            print(f"{result['url']}: ok ({len(result['nodes'])} node(s), tls {'on' if result['tls'] else 'off'}, "
+                  f"auth {result['auth']}); "
                   f"connect {result['connect_ms']} ms, ping min {ms['min']} / median {ms['median']} / "
                   f"max {ms['max']} ms; " + ", ".join(f"{k} {v}" for k, v in result["server"].items()))
         else:

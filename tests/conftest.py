@@ -130,3 +130,42 @@ def open_fds() -> set[str]:
         except OSError:
             pass
     return out
+
+
+# ---- Redis Cluster / Sentinel / TLS deployments (tests/redis_servers.py) --------------------------------
+@pytest.fixture(scope="session")
+def redis_deployments_dir():
+    workdir = tempfile.mkdtemp(prefix="lmcache-test-redis-deploy-")
+    yield workdir
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_deployments_dir):
+    """A 3-node Redis Cluster shared by the tests that leave it as they found it."""
+    from pathlib import Path
+
+    from redis_servers import ClusterProcesses
+
+    cluster = ClusterProcesses(Path(redis_deployments_dir) / "shared-cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    """Starts a fresh 3-node Redis Cluster for a test that kills or reshards nodes; stopped afterwards."""
+    from redis_servers import ClusterProcesses
+
+    made: list = []
+
+    def make(**kwargs):
+        cluster = ClusterProcesses(tmp_path / f"cluster{len(made)}", **kwargs)
+        made.append(cluster)
+        return cluster.start()
+    yield make
+    for cluster in made:
+        cluster.stop()

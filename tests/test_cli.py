@@ -9,6 +9,7 @@ import time
 
 import pytest
 import redis
+import redis.cluster
 
 from lmcache_vllm import cli
 from lmcache_vllm.config import LMCacheConfig
@@ -122,6 +123,31 @@ def test_inspect_clear_and_ping_redis(redis_server, redis_prefix, make_chunk, ca
     finally:
         raw.acl_deluser(user)
         raw.close()
+
+
+def test_inspect_clear_and_ping_a_redis_cluster(redis_cluster, redis_prefix, make_chunk, capsys):
+    keys = [key("llama", i) for i in range(12)] + [key("qwen2", i, fingerprint="cd34") for i in range(6)]
+    url = redis_cluster.url
+    fill(LMCacheConfig(max_local_cpu_size=0.01, remote_url=url, extra_config={"remote_key_prefix": redis_prefix}),
+         keys, make_chunk)
+    planted = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    planted.set(redis_prefix + key("llama", 99), b"LMCV" + bytes(100))  # garbage under a valid key name
+    planted.close()
+    rc, out = run(capsys, "inspect", "--redis", url, "--prefix", redis_prefix, "--json")
+    report = json.loads(out)
+    assert rc == cli.EXIT_CORRUPT and report["num_corrupt"] == 1 and report["chunks"] == 18
+    assert report["namespaces"]["qwen2@cd34"]["chunks"] == 6
+    assert len(report["nodes"]) == 3 and sum(report["nodes"].values()) == 18 and min(report["nodes"].values()) > 0
+    rc, out = run(capsys, "inspect", "--redis", url, "--prefix", redis_prefix)
+    assert "node" in out and all(name in out for name in report["nodes"])  # chunks per node, for people
+    rc, out = run(capsys, "clear", "--redis", url, "--prefix", redis_prefix, "--model", "qwen2", "--yes", "--json")
+    assert rc == cli.EXIT_OK and json.loads(out)["keys"] == 6
+    rc, out = run(capsys, "clear", "--redis", url, "--prefix", redis_prefix, "--yes", "--json")
+    assert json.loads(out)["keys"] == 13
+    assert sum(redis_cluster.keys_per_node(redis_prefix + "*").values()) == 0
+    rc, out = run(capsys, "ping", "--redis", url, "--json")
+    result = json.loads(out)
+    assert rc == cli.EXIT_OK and result["topology"] == "cluster" and len(result["nodes"]) == 3
 
 
 def test_unreachable_tiers_exit_with_one_line(tmp_path, capsys):

@@ -143,8 +143,18 @@ def test_unknown_key_suggests_only_a_likely_typo_of_the_same_type(tmp_path):
     ({"remote_url": "lm://localhost:65000"}, "remote_url",
      "not supported by lmcache-vllm: LMCache's own cache server (lmcache server); run redis-server"),
     ({"remote_url": "s3://bucket"}, "remote_url", "LMCache's s3:// connector"),
-    ({"remote_url": "localhost:6379"}, "remote_url", "expected a URL with scheme redis/rediss/unix"),
-    ({"remote_url": "redis://[::1:6379"}, "remote_url", "not a valid URL (Invalid IPv6 URL)"),
+    ({"remote_url": "localhost:6379"}, "remote_url", "expected redis://host:port[/db] (or rediss:// with "
+                                                     "TLS; valkey://, valkeys://), unix:///path/to/redis.sock, "
+                                                     "redis-cluster://host:port[,host:port...] (or rediss-cluster://, "
+                                                     "valkey-cluster://), redis-sentinel://host:port[,host:port...]"
+                                                     "[/master_name] (or rediss-sentinel://); a user and password go "
+                                                     "before the host(s) as user:password@"),
+    ({"remote_url": "redis://[::1:6379"}, "remote_url", "not a valid URL: '[::1:6379' is no host[:port]"),
+    ({"remote_url": "redis://h1:6379,h2:6379"}, "remote_url", "redis:// names one server; for several nodes use "
+                                                              "redis-cluster://"),
+    ({"remote_url": "redis-cluster://h1:7000/1"}, "remote_url", "a Redis Cluster has only database 0"),
+    ({"remote_url": "redis-sentinel://h1/m/x"}, "remote_url", "the database ('x') must be a number"),
+    ({"remote_url": "rediss-cluster://h1:7000,:7001"}, "remote_url", "no host given"),
     ({"remote_url": "redis://host:63799x"}, "remote_url", "not a valid URL"),
     ({"remote_url": "redis://host:70000"}, "remote_url", "not a valid URL"),
     ({"remote_url": "redis://:6379"}, "remote_url", "no host given"),

@@ -9,10 +9,10 @@ import socket
 import pytest
 
 from lmcache_vllm import cli
-from lmcache_vllm.observability import logs
 from lmcache_vllm.config import ConfigError, LMCacheConfig, inspect_config, load_config
 from lmcache_vllm.config.redact import redact_text, redact_url
-from lmcache_vllm.storage.redis_backend import RedisBackend
+from lmcache_vllm.observability import logs
+from lmcache_vllm.storage.redis import RedisBackend
 
 SECRETS = ("Pw4userinfo", "Pw4query", "Mac4secret")
 

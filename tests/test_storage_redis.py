@@ -1,4 +1,4 @@
-"""Tests for lmcache_vllm.storage.redis_backend against a real redis-server: round trips, TTL, garbage
+"""Tests for lmcache_vllm.storage.redis (one server) against a real redis-server: round trips, TTL, garbage
 values, a killed or frozen server (bounded misses, circuit breaker) and recovery after a restart."""
 
 import asyncio
@@ -16,7 +16,7 @@ from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.storage.redis_backend import RedisBackend
+from lmcache_vllm.storage.redis import RedisBackend
 
 pytestmark = pytest.mark.redis
 CHUNK = (2, 2, 16, 64)

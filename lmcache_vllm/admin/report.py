@@ -60,6 +60,7 @@ class TierReport:
     ignored: int = 0  # entries that are not ours at all
     verified: bool = False  # payload checksums were checked too
     time_note: str = ""
+    nodes: dict[str, int] = field(default_factory=dict)  # Redis: chunks per node (cluster primaries)
 
     def add_chunk(self, key: str, size: int, when: float | None) -> None:
         namespace = namespace_of(key) or "?"
@@ -106,6 +107,8 @@ def format_report(report: TierReport) -> str:
         rows = [(ns, r.chunks, human_bytes(r.bytes), _when(r.oldest), _when(r.newest))
                 for ns, r in sorted(report.namespaces.items())]
         lines += ["", table(("namespace (model@fingerprint)", "chunks", "bytes", "oldest", "newest"), rows)]
+    if len(report.nodes) > 1:
+        lines += ["", table(("node", "chunks"), sorted(report.nodes.items()))]
     checked = "headers, sizes and payload checksums" if report.verified else "headers and sizes"
     lines += ["", f"corrupt entries: {report.num_corrupt} (checked {checked})"]
     for problem in report.corrupt:

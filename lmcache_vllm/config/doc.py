@@ -29,6 +29,7 @@ from lmcache_vllm.config.lmcache import (
     REMOTE_SCHEME_DEFAULT,
     REMOTE_SCHEMES,
     REMOTE_SERDE,
+    SENTINEL_ENV_VARS,
     KeyRule,
 )
 from lmcache_vllm.config.sources import OWN_ENV_VARS
@@ -87,6 +88,9 @@ def markdown() -> str:
         what = "taken as `redis://`" if reason == MAPPED else "refused"
         why = "RESP is the Redis protocol" if reason == MAPPED else reason
         lines.append(f"| `remote_url: {scheme}://…` | 0.5.6 | {what} | {_cell(why)} |")
+    lines.append("| `remote_url: valkey://…`, `redis-cluster://…`, `redis-sentinel://…` | 0.5.6 | taken as they "
+                 "are | a standalone Valkey, a Redis Cluster, the master a set of Sentinels names "
+                 "(docs/SCALING.md) |")
     lines.append(f"| `remote_url: s3://…` and other schemes | 0.5.6 | refused | "
                  f"{REMOTE_SCHEME_DEFAULT.format(scheme='s3')} |")
     for serde, reason in REMOTE_SERDE.items():
@@ -100,6 +104,7 @@ def markdown() -> str:
     lines += [f"| `{name}` | {_cell(text)} |" for name, text in OWN_ENV_VARS.items()]
     lines += [f"| `{name}` | ignored, with a warning: {_cell(text)} |"
               for name, text in LMCACHE_ENV_VARS.items()]
+    lines += [f"| `{name}` | {_cell(text)} |" for name, text in SENTINEL_ENV_VARS.items()]
     lines += ["", END]
     return "\n".join(lines)
 

@@ -9,15 +9,29 @@ key, add one field with `setting(default, meaning, check=...)`; the table in doc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_vllm.config.fields import (at_least, greater_than, normalize_fields, raise_if_any, redacted_repr, setting,
-                                        size_gib)
+from lmcache_vllm.config.fields import (
+    at_least,
+    greater_than,
+    normalize_fields,
+    raise_if_any,
+    redacted_repr,
+    setting,
+    size_gib,
+)
 from lmcache_vllm.config.redact import remember_secret
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
+
+
+def READABLE_FILE(path: str) -> Optional[str]:  # noqa: N802 (a check, named like the constants above)
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        return "expected the path of a readable file"
+    return None
 
 
 @dataclass
@@ -57,12 +71,25 @@ class ExtraConfig:
                                                check=SECONDS)
     remote_timeout_secs: float = setting(2.0, "timeout of one Redis call; past it: a miss",
                                          check=SECONDS)
-    remote_max_connections: int = setting(16, "Redis connections in the pool", check=POSITIVE_INT)
+    remote_max_connections: int = setting(16, "Redis connections per server (per node of a Redis Cluster), "
+                                              "also the most calls in flight to one node: more wait for one, "
+                                              "within remote_timeout_secs", check=POSITIVE_INT)
     remote_read_groups: int = setting(1, "concurrent groups one batched Redis read is split into",
                                       check=POSITIVE_INT)
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
     remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
                                              check=SECONDS)
+    ssl_ca_certs: Optional[str] = setting(None, "TLS remote_url (rediss://, rediss-cluster://, rediss-sentinel://): "
+                                                "PEM file of the CAs that sign the servers' certificates; null: "
+                                                "the system's CAs", check=READABLE_FILE)
+    ssl_certfile: Optional[str] = setting(None, "TLS remote_url: PEM file of our client certificate, for servers "
+                                                "that require one (tls-auth-clients)", check=READABLE_FILE)
+    ssl_keyfile: Optional[str] = setting(None, "TLS remote_url: PEM file of the client certificate's private key",
+                                         check=READABLE_FILE)
+    ssl_cert_reqs: str = setting("required", "TLS remote_url: check the servers' certificates: 'required' (and "
+                                             "their host names), 'optional' or 'none' (encryption without "
+                                             "authentication of the server)",
+                                 choices=("required", "optional", "none"))
     # KV copies on a GPU
     cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
                                        "the torch path's bytes on a scratch copy of that layout; otherwise an "

@@ -248,17 +248,23 @@ MOONCAKE_KEYS = ("local_hostname", "metadata_server", "master_server_address", "
                  "local_buffer_size", "protocol", "device_name", "transfer_timeout", "storage_root_dir",
                  "prefer_local_alloc")
 
-# remote_url schemes of LMCache (the part before "://"): resp is Redis under another name.
+# remote_url schemes of LMCache (the part before "://") that are not ours (config/remote_url.py lists ours,
+# which include LMCache's redis://, rediss://, unix://, valkey://, redis-cluster:// and redis-sentinel://):
+# resp is Redis under another name.
 REMOTE_SCHEMES: dict[str, str] = {
     "resp": MAPPED,
     "lm": "LMCache's own cache server (lmcache server); run redis-server and use redis://host:port",
-    "valkey": "LMCache's Valkey connector; a standalone Valkey speaks Redis: use redis://host:port",
-    "redis-sentinel": "Redis Sentinel; use the master's redis://host:port",
-    "redis-cluster": "Redis Cluster; use one redis://host:port",
     "plugin": "LMCache's remote storage plugins",
 }
 REMOTE_SCHEME_DEFAULT = "LMCache's {scheme}:// connector; lmcache-vllm's remote tier is Redis " \
-                        "(redis://, rediss://, unix://)"
+                        "(redis://, rediss://, unix://, redis-cluster://, redis-sentinel://, valkey://)"
+# Environment variables (without the LMCACHE_ prefix) that LMCache's Redis Sentinel connector reads.
+SENTINEL_ENV_VARS = {
+    "REDIS_SERVICE_NAME": "taken: the Sentinel master name of a redis-sentinel:// remote_url without "
+                          "/master_name (default 'redismaster', with a warning, as in LMCache)",
+    "REDIS_TIMEOUT": "ignored, with a warning when remote_url is a Sentinel one: LMCache's Sentinel "
+                     "timeout; ours is extra_config.remote_timeout_secs",
+}
 # remote_serde values of LMCache: "torch" (v0) stored the raw tensors, as "naive" does.
 REMOTE_SERDE: dict[str, str] = {
     "torch": MAPPED,

@@ -39,9 +39,11 @@ from lmcache_vllm.config.lmcache import (
     LMCACHE_ENV_VARS,
     LMCACHE_EXTRA_KEYS,
     LMCACHE_KEYS,
+    SENTINEL_ENV_VARS,
 )
 from lmcache_vllm.config.reader import EXTRA_FIELDS, EntryReader
 from lmcache_vllm.config.redact import redact_text
+from lmcache_vllm.config.remote_url import DEFAULT_SENTINEL_SERVICE, Topology, parse_remote_url, sentinel_master_name
 from lmcache_vllm.config.schema import LMCacheConfig
 from lmcache_vllm.config.sources import (
     CONFIG_FILE_ENV,
@@ -191,7 +193,25 @@ def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
         loader.top(entry)
     loader.environment(others)
     config = loader.finish()
+    if config is not None:
+        loader.warnings += _sentinel_notes(config, environ)
     return ConfigReport(config, loader.problems, [redact_text(w) for w in loader.warnings])
+
+
+def _sentinel_notes(config: LMCacheConfig, environ: Mapping[str, str]) -> list[str]:
+    """Warnings about LMCache's Sentinel environment variables (`lmcache.SENTINEL_ENV_VARS`)."""
+    if config.remote_url is None:
+        return []
+    target = parse_remote_url(config.remote_url)
+    if target.topology is not Topology.SENTINEL:
+        return []
+    notes = []
+    name, note = sentinel_master_name(target, environ)
+    if note and name == DEFAULT_SENTINEL_SERVICE:
+        notes.append(f"remote_url: {note}")
+    if "REDIS_TIMEOUT" in environ:
+        notes.append(f"REDIS_TIMEOUT (environment): {SENTINEL_ENV_VARS['REDIS_TIMEOUT']}")
+    return notes
 
 
 def load_config(overrides: Optional[Mapping[str, Any]] = None, *,

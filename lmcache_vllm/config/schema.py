@@ -18,15 +18,15 @@ from lmcache_vllm.config.fields import (
     Problem,
     at_least,
     greater_than,
-    redacted_repr,
     normalize_fields,
     raise_if_any,
+    redacted_repr,
     setting,
     size_gib,
 )
 from lmcache_vllm.config.reader import build_extra
 from lmcache_vllm.config.redact import redact_value, remember_secret, url_password
-from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem
+from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem, tls_problems
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
 GiB = 1 << 30
@@ -47,8 +47,9 @@ class LMCacheConfig:
               "false: no disk tier", value_aliases={False: None})
     max_local_disk_size: float = setting(0.0, "GiB cap of L2 (> 0 when local_disk is set)", check=size_gib)
     remote_url: Optional[str] = setting(
-        None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://..., unix:///path/to/redis.sock; "
-              "null: no L3")
+        None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://... (TLS), unix:///path/to/redis.sock, "
+              "redis-cluster://[user:pw@]host:port[,host:port...], redis-sentinel://host:port[,host:port...]"
+              "/master_name (see docs/SCALING.md); null: no L3")
     remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
                                 choices=("naive",), value_aliases={None: "naive"})
     save_unfull_chunk: bool = setting(
@@ -133,4 +134,5 @@ def _check_together(cfg: LMCacheConfig) -> list[Problem]:
         message = remote_url_problem(cfg.remote_url)
         if message:
             problems.append(Problem("remote_url", cfg.remote_url, message))
+    problems += tls_problems(cfg.remote_url, cfg.extra_config)
     return problems

@@ -1,5 +1,5 @@
-"""Checks of single values that need more than a type: the L2 directory, the Redis URL (checked here so
-that redis-py never sees a bad one), LMCache's spellings of values we implement under our own name
+"""Checks of single values that need more than a type: the L2 directory, the Redis URL (parsed by
+`remote_url.py`, so that redis-py never sees a bad one), LMCache's spellings of values we implement under our own name
 (resp://, "torch" serde, vLLM's hash names).
 
 Each check returns what is wrong (None when nothing is); the translations return the value to use and a
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 from typing import Any, Optional
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
+from lmcache_vllm.config.fields import Problem
 from lmcache_vllm.config.lmcache import (
     CACHE_POLICIES,
     HASH_NAMES,
@@ -20,8 +21,10 @@ from lmcache_vllm.config.lmcache import (
     REMOTE_SCHEMES,
     REMOTE_SERDE,
 )
+from lmcache_vllm.config.remote_url import SCHEMES, parse_remote_url
 
-SUPPORTED_REMOTE_SCHEMES = ("redis", "rediss", "unix")
+SUPPORTED_REMOTE_SCHEMES = tuple(SCHEMES)
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # extra_config keys that need a TLS remote_url
 
 
 def normalize_local_disk(value: str) -> tuple[str, Optional[str]]:
@@ -36,25 +39,28 @@ def normalize_local_disk(value: str) -> tuple[str, Optional[str]]:
 
 
 def remote_url_problem(url: str) -> Optional[str]:
-    expected = ("a URL with scheme " + "/".join(SUPPORTED_REMOTE_SCHEMES)
-                + " (e.g. redis://127.0.0.1:6379/0 or unix:///run/redis.sock), or null")
+    """What is wrong with a `remote_url` (every accepted form: `remote_url.ACCEPTED`), or None."""
     try:
-        parts = urlsplit(url)
-        port = parts.port
+        parse_remote_url(url)
     except ValueError as exc:
-        return f"not a valid URL ({exc}); expected {expected}"
-    if parts.scheme not in SUPPORTED_REMOTE_SCHEMES:
-        return f"expected {expected}"
-    if parts.scheme == "unix":
-        return None if parts.path else "expected unix:///path/to/redis.sock"
-    if not parts.hostname:
-        return "expected redis://HOST[:PORT][/DB] (no host given)"
-    if port is not None and not 0 < port < 65536:
-        return "the port must be 1 to 65535"
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        return f"the database ({db!r}) must be a number: redis://HOST:PORT/DB"
+        return str(exc)
     return None
+
+
+def tls_problems(remote_url: Optional[str], extra: Any) -> list[Problem]:
+    """The TLS settings (`extra_config.ssl_*`) that contradict the URL: set for a URL without TLS, or a
+    private key without its certificate."""
+    problems: list[Problem] = []
+    given = {name: getattr(extra, name) for name in TLS_FILES if getattr(extra, name) is not None}
+    if given and remote_url is not None and not remote_url_problem(remote_url) \
+            and not parse_remote_url(remote_url).tls:
+        for name, value in given.items():
+            problems.append(Problem(f"extra_config.{name}", value, "applies to a TLS remote_url only "
+                                    "(rediss://, rediss-cluster://, rediss-sentinel://); remote_url has no TLS"))
+    if extra.ssl_keyfile is not None and extra.ssl_certfile is None:
+        problems.append(Problem("extra_config.ssl_keyfile", extra.ssl_keyfile,
+                                "a private key needs its certificate: set extra_config.ssl_certfile too"))
+    return problems
 
 
 def translate_lmcache_value(key: str, value: Any) -> tuple[Any, Optional[str]]:

@@ -1,8 +1,8 @@
 """The one metrics model of lmcache-vllm: the table of every metric (`METRICS`) and the process recorder.
 
 - `METRICS` names each counter, gauge and histogram once, with its unit, help text and labels (`tier`:
-  local_cpu / local_disk / redis). Prometheus exposes them as `lmcache_vllm:<name>` (counters with
-  `_total`); the metric table in docs/METRICS.md is generated from it.
+  local_cpu / local_disk / redis; `node`: a Redis server or cluster node). Prometheus exposes them as
+  `lmcache_vllm:<name>` (counters with `_total`); the metric table in docs/METRICS.md is generated from it.
 - Code anywhere in the process records with `inc(name, n, **labels)`, `observe(name, seconds, **labels)`
   or `timed(name)`; gauges are read when asked for, from functions given to `register_gauges` (a tier
   reports its bytes used, a breaker its state) so nothing has to keep them up to date.
@@ -58,6 +58,7 @@ def _h(name, help, labels=(), scope="rank"):
 
 
 _T = ("tier",)
+_N = ("node",)
 METRIC_LIST: tuple[MetricDef, ...] = (
     # -- scheduler: one per engine
     _c("lookups", "requests", "Prefix lookups the scheduler asked the workers for (the answer is reused "
@@ -142,6 +143,16 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("adopted_chunks", "chunks", "Chunk files another process wrote into a shared directory, found on "
        "a miss and indexed", _T),
     _c("reindexed_chunks", "chunks", "Chunk files found and indexed at start-up", _T),
+    # -- Redis nodes (label `node`: host:port of a server or cluster node, sentinel:<master>, cluster for
+    #    finding the cluster's slot map)
+    _c("redis_node_read_chunks", "chunks", "Chunks a Redis node served", _N),
+    _c("redis_node_stored_chunks", "chunks", "Chunks written to a Redis node", _N),
+    _c("redis_node_failed_calls", "requests", "Calls to a Redis node that failed (connection refused or "
+       "lost, timeout, refused credentials): its keys were misses, its writes dropped", _N),
+    _c("redis_node_skipped_calls", "requests", "Calls answered at once as misses while that node's circuit "
+       "breaker was open", _N),
+    _c("redis_node_redirects", "requests", "Replies MOVED/ASK/TRYAGAIN from a cluster node (a slot moving "
+       "or moved): the command was sent again where redis-py's slot map says", _N),
     _h("tier_read_seconds", "Time of one batched read from a lower tier", _T),
     _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
     # -- gauges, read when asked for
@@ -153,6 +164,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "model reads (set LMCACHE_VLLM_CHUNK_MAC_KEY), else 0", _T, agg="max"),
     _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
        "once), else 0", _T, agg="max"),
+    _g("redis_node_breaker_open", "state", "1 while a Redis node's circuit breaker is open (its keys are "
+       "misses at once), else 0", _N, agg="max"),
     _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),
     _g("prefetch_held_chunks", "chunks", "Chunks held in L1 by prefetches until their request loads "
        "them"),

@@ -22,11 +22,11 @@ from typing import Callable, Mapping, Optional
 from lmcache_vllm.config import ConfigError, LMCacheConfig
 from lmcache_vllm.config.fields import Problem
 from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
-from lmcache_vllm.storage.redis_backend import RedisBackend
-from lmcache_vllm.observability import logs
+from lmcache_vllm.storage.redis import RedisBackend
 
 logger = logging.getLogger(__name__)
 

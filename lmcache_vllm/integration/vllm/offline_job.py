@@ -10,6 +10,10 @@ process. The job file:
 A prompt may also be {"embeds_seed": S, "len": N}: N prompt embeddings drawn from a generator seeded with S
 (bf16, the model's hidden size; needs "enable_prompt_embeds": true in llm_kwargs).
 
+A phase with "wait_for_file": PATH first creates PATH + ".ready" and waits (at most 300 s) until PATH
+exists: a test does something to the world at that point of the run (e.g. kills a Redis node), then
+creates PATH.
+
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
 phase its wall time and process CPU time, and under `stats` this process's metrics (`metrics.flat`:
@@ -19,6 +23,7 @@ worker share this process, the workers of a TP>1 engine do not).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -59,6 +64,16 @@ def _prompt(prompt, llm):
     return {"prompt_embeds": (torch.randn(int(prompt["len"]), hidden, generator=gen) * 0.05).to(torch.bfloat16)}
 
 
+def _wait_for_file(path: str, timeout_s: float = 300.0) -> None:
+    with open(path + ".ready", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nobody created {path} within {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -71,6 +86,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     phases = []
     for phase in job["phases"]:
+        if phase.get("wait_for_file"):
+            _wait_for_file(phase["wait_for_file"])
         params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
                                 ignore_eos=True)
         prompts = [_prompt(p, llm) for p in phase["prompts"]]
