@@ -17,6 +17,11 @@ from lmcache_vllm.config.fields import (at_least, greater_than, normalize_fields
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
+MAX_RANKS = 256  # ports above a base port kept free for the ranks
+
+
+def _port_base(value: int) -> Optional[str]:
+    return None if 0 <= value <= 65535 - MAX_RANKS else f"a port from 0 to {65535 - MAX_RANKS}"
 
 
 @dataclass
@@ -56,6 +61,18 @@ class ExtraConfig:
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
     remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
                                              check=SECONDS)
+    # Disaggregated prefill (docs/DISAGGREGATED.md)
+    pd_host: Optional[str] = setting(None, "address the KV transfer server of each worker rank binds and a "
+                                           "prefill instance names in kv_transfer_params (\"0.0.0.0\": every "
+                                           "interface, vLLM's host IP named); null: as vLLM's NIXL connector, "
+                                           "VLLM_NIXL_SIDE_CHANNEL_HOST (default localhost)")
+    pd_port: int = setting(0, "port of TP rank 0's KV transfer server (rank r: pd_port + r); 0: ports the OS "
+                              "picks (the scheduler asks the workers)", check=_port_base)
+    pd_hold_secs: float = setting(30.0, "how long a prefill instance holds a request's chunks for its decode "
+                                        "instance when no RELEASE comes (vLLM's kv_lease_duration)", check=SECONDS)
+    pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
+                                                "next message of a pull; past it, the rest is recomputed",
+                                          check=SECONDS)
     # Operations
     reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
                                              "L2 and L3 (shared with other instances); false: only L1")
