@@ -297,3 +297,14 @@ def test_prefill_killed_mid_transfer_leaves_a_prefix_and_a_bounded_wait(tmp_path
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_nothing_to_pull_still_releases_the_hold(prefill, make_chunk):
+    tensors = [make_chunk(i, CHUNK) for i in range(2)]
+    keys = prefill.hold("r9", tensors)
+    with StorageManager(d_config()) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r9")), tensors)  # now in this instance's L1
+        prefill.hold("r10", tensors)
+        assert_chunks(pull(mgr, keys, prefill.source("r10")), tensors)  # from L1: the peer is not asked
+    assert wait_until(lambda: len(prefill.holds) == 0)
+    assert metrics.value("pd_served_chunks") == 2

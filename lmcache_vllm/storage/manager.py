@@ -269,6 +269,8 @@ class StorageManager(LowerTierReads):
         # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
         self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not (self.lower or peer):
+            if peer is not None:  # nothing to pull: the peer may drop what it keeps for this request
+                asyncio.run_coroutine_threadsafe(peer.close(), self._loop)
             return PrefetchHandle(None, n, release, owner)
         metrics.inc("prefetches")
         handle = PrefetchHandle(None, n, release, owner, lower_pending=True)

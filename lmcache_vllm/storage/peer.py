@@ -96,6 +96,10 @@ class PeerTier(StorageBackend):
     async def put(self, key: str, obj: MemoryObj) -> bool:
         return False  # read-only
 
+    async def close(self) -> None:
+        """Not pulled after all (everything was in this instance's L1): the prefill instance may let go."""
+        send_release(self.source, self.mac)
+
     async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
         out: list[Optional[MemoryObj]] = [None] * len(keys)
         if not keys:
