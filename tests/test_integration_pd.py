@@ -261,3 +261,23 @@ def test_releases_and_aborts_drop_holds(prefill, decode):
     prefill.wait_for_save(LMCacheConnectorMetadata(peer_unholds=["p2"]))
     assert wait_until(lambda: len(prefill.pd.holds) == 0)
     assert metrics.value("pd_holds_released") == 2
+
+
+def test_a_decode_instance_of_another_tp_size_releases_every_prefill_rank(decode):
+    """P with TP 2 (two ranks, two transfer servers), D with TP 1 refusing it: D's one rank tells both."""
+    ranks = []
+    try:
+        for rank in range(2):
+            engine = make_engine(extra_config={"pd_host": "127.0.0.1"})
+            ranks.append((pd_worker(engine, make_caches(True, seed=rank), serve=True, rank=rank, tp=2), engine))
+        for worker, _ in ranks:
+            prefill_step(worker)
+        assert wait_until(lambda: all(w.pd.holds.checkout("p1", []).state.value == "ready" for w, _ in ranks))
+        decode.begin_step()
+        decode.wait_for_save(LMCacheConnectorMetadata(peer_releases=[
+            PeerSpec("p1", "127.0.0.1", tuple(w.pd.port for w, _ in ranks))]))
+        assert wait_until(lambda: all(len(w.pd.holds) == 0 for w, _ in ranks))
+    finally:
+        for worker, engine in ranks:
+            worker.shutdown()
+            engine.close()
