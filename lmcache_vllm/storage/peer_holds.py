@@ -44,20 +44,21 @@ class Hold:
     deadline: float
     keys: Optional[list[str]] = None
     objs: list[MemoryObj] = field(default_factory=list)
+    headers: list[bytes] = field(default_factory=list)  # each chunk's wire header, when made in advance
 
     @property
     def ready(self) -> bool:
         return self.keys is not None
 
-    def prefix(self, keys: Sequence[str]) -> list[MemoryObj]:
-        """The held chunks of the longest prefix of `keys` (in order) this hold has."""
-        mine = dict(zip(self.keys or (), self.objs))
+    def prefix(self, keys: Sequence[str]) -> list[int]:
+        """Indexes of the held chunks of the longest prefix of `keys` (in order) this hold has."""
+        mine = {key: i for i, key in enumerate(self.keys or ())}
         out = []
         for key in keys:
-            obj = mine.get(key)
-            if obj is None:
+            index = mine.get(key)
+            if index is None:
                 break
-            out.append(obj)
+            out.append(index)
         return out
 
     @property
@@ -78,6 +79,7 @@ class Checkout:
     state: HoldState
     objs: list[MemoryObj]  # READY: the prefix asked for, one reference each for the caller
     held_keys: tuple[str, ...] = ()  # READY: every key the hold has (to explain a key mismatch)
+    headers: tuple[bytes, ...] = ()  # READY: their wire headers when made in advance (else empty)
 
 
 @dataclass(eq=False)
@@ -111,17 +113,19 @@ class PeerHolds:
         if old is not None:
             release_objs(old.objs)
 
-    def fill(self, req_id: str, keys: Sequence[str], objs: Sequence[MemoryObj]) -> bool:
+    def fill(self, req_id: str, keys: Sequence[str], objs: Sequence[MemoryObj],
+             headers: Sequence[bytes] = ()) -> bool:
         """The request's saves are over: `objs` (one reference each, taken over) are the held chunks of
-        `keys`. False (and the references dropped) when the hold was released or expired meanwhile."""
-        if len(keys) != len(objs):
+        `keys` (`headers`: their wire headers, made now so that a pull only sends). False (and the
+        references dropped) when the hold was released or expired meanwhile."""
+        if len(keys) != len(objs) or (headers and len(headers) != len(keys)):
             release_objs(objs)
             raise ValueError(f"{len(keys)} keys but {len(objs)} chunks")
         filled = False
         with self._lock:
             hold = self._holds.get(req_id)
             if hold is not None and not hold.ready:
-                hold.keys, hold.objs = list(keys), list(objs)
+                hold.keys, hold.objs, hold.headers = list(keys), list(objs), list(headers)
                 filled = True
         if not filled:
             release_objs(objs)
@@ -137,10 +141,12 @@ class PeerHolds:
                 return Checkout(self._ended.get(req_id, HoldState.UNKNOWN), [])
             if not hold.ready:
                 return Checkout(HoldState.PENDING, [])
-            objs = hold.prefix(keys)
+            indexes = hold.prefix(keys)
+            objs = [hold.objs[i] for i in indexes]
             for obj in objs:
                 obj.ref_up()
-            return Checkout(HoldState.READY, objs, tuple(hold.keys or ()))
+            headers = tuple(hold.headers[i] for i in indexes) if hold.headers else ()
+            return Checkout(HoldState.READY, objs, tuple(hold.keys or ()), headers)
 
     def sent(self, objs: Sequence[MemoryObj], sends: Sequence[Any]) -> None:
         """Hands back checked-out chunks; their references drop once every send (`.done`) is over."""

@@ -144,14 +144,15 @@ class TransferServer:
             self._reply(entry.identity, wire.error_reply(
                 b"keys", f"holds {checkout.held_keys[0]!r}, asked for {request.keys[0]!r}"))
             return
-        self._send(entry.identity, request, checkout.objs)
+        self._send(entry.identity, request, checkout.objs, checkout.headers)
 
-    def _send(self, identity: bytes, request: wire.PeerRequest, objs: list) -> None:
+    def _send(self, identity: bytes, request: wire.PeerRequest, objs: list, headers: tuple[bytes, ...]) -> None:
         sends = []
         sent_bytes = 0
         try:
             for index, obj in enumerate(objs):
-                frames = wire.chunk_reply(index, request.keys[index], obj.tensor, self.mac)
+                frames = wire.chunk_reply(index, request.keys[index], obj.tensor, self.mac,
+                                          headers[index] if headers else None)
                 sends.append(self._socket.send_multipart([identity, *frames], copy=False, track=True))
                 sent_bytes += obj.nbytes
             self._socket.send_multipart([identity, *wire.end_reply(len(objs))])

@@ -115,9 +115,18 @@ def verify_request(request: PeerRequest, mac: Optional[ChunkMac]) -> bool:
     return hmac.compare_digest(expected, request.auth)
 
 
-def chunk_reply(index: int, key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> list:
+def chunk_header(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> bytes:
+    """The header a CHUNK message carries for `tensor` under `key` (its checksum is a pass over the bytes:
+    a prefill instance makes it when it fills a hold, so that a pull only sends)."""
+    return codec.encode_header(key, tensor, mac=mac)
+
+
+def chunk_reply(index: int, key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None,
+                header: Optional[bytes] = None) -> list:
     """The CHUNK message of one held chunk; its last frame is a zero-copy view of the tensor's bytes."""
-    return [PROTOCOL, CHUNK, _U32.pack(index), codec.encode_header(key, tensor, mac=mac), codec.payload_view(tensor)]
+    if header is None:
+        header = chunk_header(key, tensor, mac)
+    return [PROTOCOL, CHUNK, _U32.pack(index), header, codec.payload_view(tensor)]
 
 
 def end_reply(count: int) -> list[bytes]:
@@ -163,4 +172,4 @@ def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "encode_request", "parse_request",
-           "verify_request", "chunk_reply", "end_reply", "error_reply", "parse_reply", "decode_chunk"]
+           "verify_request", "chunk_header", "chunk_reply", "end_reply", "error_reply", "parse_reply", "decode_chunk"]

@@ -23,6 +23,7 @@ from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.peer import PeerSource, PeerTier, send_release
 from lmcache_vllm.storage.peer_holds import PeerHolds
+from lmcache_vllm.storage.peer_wire import chunk_header
 from lmcache_vllm.storage.peer_server import TransferServer
 
 if TYPE_CHECKING:
@@ -69,7 +70,11 @@ class PeerTransfer:
             return
         try:
             keys, objs = self.engine.hold_prefix(spec.token_ids, spec.extra)
-            self.holds.fill(spec.req_id, keys[:len(objs)], objs)
+            keys = keys[:len(objs)]
+            # The wire headers (a checksum pass over each chunk) are made here, on the save thread, so that
+            # the decode instance's pull only sends.
+            headers = [chunk_header(key, obj.tensor, self.mac) for key, obj in zip(keys, objs)]
+            self.holds.fill(spec.req_id, keys, objs, headers)
         except Exception:  # never a dead save thread: the decode instance recomputes
             logs.warn(logger, "pd_hold_failed", "request %s: holding its chunks failed", spec.req_id, exc_info=True)
             self.holds.fill(spec.req_id, [], [])
