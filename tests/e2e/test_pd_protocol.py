@@ -47,7 +47,7 @@ CONCURRENT = [h.random_tokens(210 + i, PROMPT_LEN) for i in range(8)]
 TP_PROMPT = h.random_tokens(220, COLD_LEN)
 KILLED = h.random_tokens(221, COLD_LEN)
 MAX_TOKENS = 8
-HOLD_S = 8.0  # pd_hold_secs of P
+HOLD_S = 20.0  # pd_hold_secs of P: long enough for D to pull on a loaded machine, short for the expiry test
 PULL_TIMEOUT_S = 3.0  # pd_pull_timeout_secs of D
 P_STATE = "lmcache_vllm:pd_holds"
 
@@ -224,8 +224,6 @@ def test_holds_expire_when_no_decode_instance_pulls(prefill, tiny_model, tmp_pat
     finally:
         proc.kill()
         proc.wait(10)
-    p = nudge_and_scrape(p_base, tiny_model, lambda m: metric(m, "pd_holds") >= 2, 10)
-    assert metric(p, "pd_holds") == 2
     p = assert_no_holds(prefill, tiny_model)
     assert metric(p, "pd_holds_expired_total") - metric(before, "pd_holds_expired_total") == 2
 
