@@ -60,9 +60,10 @@ class LowerTierReads:
         if where is None:
             where = await self._locate(keys, tiers)
         n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        rank = {id(tier): r for r, tier in enumerate(tiers)}  # where each key's tier stands in `tiers`
         by_tier: dict[int, list[int]] = {}
         for i in range(n):
-            by_tier.setdefault(tiers.index(where[i]), []).append(i)
+            by_tier.setdefault(rank[id(where[i])], []).append(i)
         alloc = self.l1.try_allocate
 
         async def read(tier: StorageBackend, idx: list[int]):
@@ -91,8 +92,8 @@ class LowerTierReads:
             metrics.inc("chunk_hits", tier=tier.name)
             metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
             self.l1.put_sync(keys[i], objs[i])
-        for rank, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
-            asked = sum(1 for i in range(len(keys)) if where[i] is None or tiers.index(where[i]) > rank)
+        for r, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
+            asked = sum(1 for i in range(len(keys)) if where[i] is None or rank[id(where[i])] > r)
             metrics.inc("chunk_misses", asked, tier=tier.name)
         return objs[:keep]
 
