@@ -27,7 +27,7 @@ Throughput with 0 % reuse: batches of new prompts, 16 output tokens each, in sep
 alternate without / with the connector (L1 + disk tier), so that a slow spell of the shared machine
 hits both; each process first runs one unmeasured batch. The connector's L1 arena is populated before
 the process serves (`prefault_local_cpu: sync`): the steady state of a server that has run a while,
-not the first pass of each store through never-touched memory (see the README). Reported as the best batch of each
+not the first pass of each store through never-touched memory (see docs/CONFIG.md). Reported as the best batch of each
 configuration and as the ratio of the medians.
 
 Ratios: `warm_l1_vs_prefix_cache_ratio` (and `warm_l1_unfull_...`) = our warm TTFT / vLLM prefix-cache

@@ -1,7 +1,7 @@
 """LMCache users' configuration in lmcache_vllm.config: every LMCache key is classified; real LMCache YAML
 files (tests/data/lmcache_configs, SOURCES.tsv says where each comes from) load, or are refused for
-exactly the features we lack; no-op and mapped keys; LMCACHE_* environment variables; the README's
-generated tables."""
+exactly the features we lack; no-op and mapped keys; LMCACHE_* environment variables; the generated
+key tables of docs/CONFIG.md."""
 
 import dataclasses
 import re
@@ -255,9 +255,9 @@ def test_every_lmcache_name_in_the_repository_is_declared():
     assert undeclared == set()
 
 
-def test_readme_carries_the_generated_tables():
-    section = config_doc.readme_section((ROOT / "README.md").read_text())
-    assert section == config_doc.markdown(), "run: python -m lmcache_vllm.config.doc --update-readme"
+def test_config_doc_carries_the_generated_tables():
+    section = config_doc.generated_section((ROOT / "docs" / "CONFIG.md").read_text())
+    assert section == config_doc.markdown(), "run: python -m lmcache_vllm.config.doc --update-docs"
     for name in list(LMCACHE_KEYS) + [f.name for f in dataclasses.fields(ExtraConfig)]:
         assert f"`{name}`" in section or f"`extra_config.{name}`" in section
 

@@ -16,6 +16,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec,  # noqa: E402
                                                     PeerSpec, SaveSpec)
 from lmcache_vllm.integration.vllm.pd.params import (PDRefusal, check_compatible, parse_remote_prefill,  # noqa: E402
@@ -67,8 +68,8 @@ def make_half(*, can_load=True, can_save=True, tp=1, ports=(9000,)):
     store = PrefixStore(0)
     pd = PDScheduler(engine_id="E", host="10.0.0.1", chunk_size=S_CHUNK, tp_size=tp, ask_ports=lambda: list(ports),
                      can_load=can_load, can_save=can_save)
-    half = SchedulerHalf(chunk_size=S_CHUNK, block_size=S_BLOCK, lookup_client=store, can_load=can_load,
-                         can_save=can_save, save_unfull_chunk=False, save_decode_cache=False, pd=pd)
+    half = SchedulerHalf(LMCacheConfig(chunk_size=S_CHUNK), block_size=S_BLOCK, lookup_client=store,
+                         can_load=can_load, can_save=can_save, pd=pd)
     return half, store
 
 

@@ -17,6 +17,7 @@ from vllm.v1.request import Request  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS  # noqa: E402
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest  # noqa: E402
+from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.local_lora import build_lora  # noqa: E402
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder  # noqa: E402
@@ -81,8 +82,8 @@ def test_unidentified_multimodal_item_is_not_cached_and_counted():
             return LookupAnswer(512, ("local_cpu", "local_cpu"))
 
     lookups = Lookups()
-    half = SchedulerHalf(chunk_size=CHUNK, block_size=128, lookup_client=lookups, can_load=True,
-                         can_save=True, save_unfull_chunk=False, save_decode_cache=False)
+    half = SchedulerHalf(LMCacheConfig(chunk_size=CHUNK), block_size=128, lookup_client=lookups,
+                         can_load=True, can_save=True)
     for i in range(3):
         assert half.get_num_new_matched_tokens(request(f"r{i}", mm_features=[image("")]), 0) == (0, False)
     assert lookups.calls == 0  # never looked up by its tokens alone
@@ -163,8 +164,8 @@ def test_extra_keys_travel_with_lookup_load_and_save():
             return LookupAnswer(512, ("local_cpu", "local_cpu"))
 
     lookups = Lookups()
-    half = SchedulerHalf(chunk_size=CHUNK, block_size=128, lookup_client=lookups, can_load=True,
-                         can_save=True, save_unfull_chunk=False, save_decode_cache=False)
+    half = SchedulerHalf(LMCacheConfig(chunk_size=CHUNK), block_size=128, lookup_client=lookups,
+                         can_load=True, can_save=True)
     req = request("salted", tokens=list(range(100, 900)), cache_salt="tenant-a")
     n, _ = half.get_num_new_matched_tokens(req, 0)
     half.update_state_after_alloc(req, None, n)

@@ -14,6 +14,7 @@ from vllm.v1.request import Request  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import slot_mapping_for  # noqa: E402
+from lmcache_vllm.config import ConfigError, LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 
 CHUNK, BLOCK = 256, 128
@@ -44,10 +45,11 @@ class PrefixStore:
         return LookupAnswer(end, tiers, start)
 
 
-def make_half(hit=0, *, can_load=True, can_save=True, unfull=False, decode=False, in_l1=None):
+def make_half(hit=0, *, can_load=True, can_save=True, unfull=False, decode=False, in_l1=None, min_retrieve=0):
     store = PrefixStore(hit, in_l1)
-    half = SchedulerHalf(chunk_size=CHUNK, block_size=BLOCK, lookup_client=store, can_load=can_load,
-                         can_save=can_save, save_unfull_chunk=unfull, save_decode_cache=decode)
+    config = LMCacheConfig(chunk_size=CHUNK, save_unfull_chunk=unfull, save_decode_cache=decode,
+                           min_retrieve_tokens=min_retrieve)
+    half = SchedulerHalf(config, block_size=BLOCK, lookup_client=store, can_load=can_load, can_save=can_save)
     return half, store
 
 
@@ -267,6 +269,20 @@ def test_lookups_that_load_nothing_are_released_and_shrunk_hits_asked_again():
     assert half.get_num_new_matched_tokens(req, 300) == (212, False)
     assert half.get_num_new_matched_tokens(req, 0) == (512, False)
     assert [q.start for q in store.queries if q.req_id == "b"] == [300, 0]
+
+
+def test_min_retrieve_tokens_skips_short_loads_and_lets_their_holds_go():
+    """LMCache's min_retrieve_tokens: a hit loading fewer new tokens than it is not loaded (counted), its
+    lookup's hold is released; a longer one loads as usual."""
+    half, store = make_half(hit=512, min_retrieve=256)
+    short = make_request("short", 700)
+    assert half.get_num_new_matched_tokens(short, 384) == (0, False)  # 128 new tokens < 256
+    half.update_state_after_alloc(short, None, 0)
+    assert half.build_connector_meta(new_step(short, list(range(6)), 384, 316)).release_req_ids == ["short"]
+    assert half.get_num_new_matched_tokens(make_request("long", 700), 0) == (512, False)
+    assert metrics.value("retrieves_below_minimum") == 1
+    with pytest.raises(ConfigError, match="min_retrieve_tokens"):
+        LMCacheConfig(min_retrieve_tokens=-1)
 
 
 def test_hit_sources_split_the_planned_load_by_the_tier_of_each_chunk():

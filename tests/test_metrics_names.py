@@ -1,6 +1,6 @@
 """The metric names, kinds, labels and help texts dashboards depend on, listed here on purpose: renaming or
-re-documenting a metric must change this test too. The README's table and the Grafana dashboard are checked
-against the same table."""
+re-documenting a metric must change this test too. The table in docs/METRICS.md and the Grafana dashboard
+are checked against the same table."""
 import json
 import re
 from pathlib import Path
@@ -19,8 +19,11 @@ STABLE = [
     ("lookup_timeouts", "counter", (),
      'Lookups that timed out and counted as 0 hits'),
     ("lookup_rejected", "counter", (),
-     'Lookup messages a worker refused: malformed, or more tokens than max_model_len (answered'
-     ' 0 hits or dropped)'),
+     'Lookup messages a worker refused: malformed, a field out of range, more tokens than '
+     'max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 to a command)'),
+    ("lookup_server_restarts", "counter", (),
+     "Times a worker's lookup server loop failed outside any one message (a ZMQ error) and started "
+     "serving again"),
     ("uncacheable_requests", "counter", ('reason',),
      'Requests neither looked up nor saved because what decides their KV besides token ids '
      'cannot be named in a key (reason: mm_unidentified, lora_unreadable, error_<exception>)'),
@@ -37,6 +40,8 @@ STABLE = [
     ("pending_lookups", "counter", (),
      "Lookups answered 'ask again' because a slower tier had not said yet where the chunks are;"
      ' vLLM ran the other requests that step'),
+    ("retrieves_below_minimum", "counter", (),
+     'Hits not loaded because they would load fewer new tokens than min_retrieve_tokens (vLLM computed them)'),
     ("loaded_tokens", "counter", (),
      "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP rank 0)"),
     ("failed_load_tokens", "counter", (),
@@ -57,6 +62,10 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("cuda_kernel_fallbacks", "counter", ('reason',),
+     'KV layouts whose copies use the torch path on a GPU although extra_config.cuda_kernel is auto: the '
+     'CUDA kernel gave other bytes than the torch path on a scratch copy of the layout (mismatch), failed to '
+     'run (error) or is not built (not_built)'),
     ("async_load_timeouts", "counter", (),
      'Asynchronous loads whose chunks were not read within blocking_timeout_secs; what had not'
      ' arrived was recomputed'),
@@ -142,6 +151,10 @@ STABLE = [
      'Bytes a tier may use'),
     ("resident_chunks", "gauge", ('tier',),
      'Chunks a tier holds now'),
+    ("unprotected_shared_tier", "gauge", ('tier',),
+     '1 while a tier others can write (Redis; a disk directory configured as shared) stores chunks '
+     'without a keyed MAC: whoever can write it can plant KV the model reads (set '
+     'LMCACHE_VLLM_CHUNK_MAC_KEY), else 0'),
     ("breaker_open", "gauge", ('tier',),
      "1 while the tier's circuit breaker is open (calls answer misses at once), else 0"),
     ("write_queue_pending", "gauge", (),
@@ -160,9 +173,9 @@ def test_metric_names_kinds_labels_and_help_texts_are_stable():
     assert [(d.name, d.kind, d.labels, d.help) for d in metrics.METRIC_LIST] == STABLE
 
 
-def test_readme_carries_the_generated_metric_table():
-    section = metrics_doc.readme_section((ROOT / "README.md").read_text())
-    assert section == metrics_doc.markdown(), "run: python -m lmcache_vllm.observability.metrics_doc --update-readme"
+def test_metrics_doc_carries_the_generated_metric_table():
+    section = metrics_doc.generated_section((ROOT / "docs" / "METRICS.md").read_text())
+    assert section == metrics_doc.markdown(), "run: python -m lmcache_vllm.observability.metrics_doc --update-docs"
 
 
 def test_grafana_dashboard_uses_only_metrics_that_exist():

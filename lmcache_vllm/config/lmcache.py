@@ -151,7 +151,6 @@ LMCACHE_KEYS: dict[str, KeyRule] = {
     "nixl_buffer_size": lacks(OptInt, None, "NIXL transfers (PD, P2P)", PD + P2P),
     "nixl_buffer_device": lacks(OptStr, None, "NIXL transfers (PD, P2P)", PD + P2P),
     # ---- scheduling and lookups
-    "min_retrieve_tokens": lacks(int, 0, "a minimum hit length to load: every hit is loaded here"),
     "priority_limit": lacks(OptInt, None, "skipping saves of requests above a priority"),
     "external_lookup_client": lacks(OptStr, None, "an external lookup service"),
     "hit_miss_ratio": lacks(OptFloat, None, "LMCache's test knob capping the hit ratio"),

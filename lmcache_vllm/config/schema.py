@@ -13,8 +13,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmcache_vllm.config.extra import ExtraConfig
-from lmcache_vllm.config.fields import (Origin, Problem, at_least, greater_than, masked, normalize_fields,
-                                        raise_if_any, setting, size_gib)
+from lmcache_vllm.config.fields import (
+    Origin,
+    Problem,
+    at_least,
+    greater_than,
+    redacted_repr,
+    normalize_fields,
+    raise_if_any,
+    setting,
+    size_gib,
+)
+from lmcache_vllm.config.reader import build_extra
+from lmcache_vllm.config.redact import redact_value, remember_secret, url_password
 from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
@@ -49,6 +60,9 @@ class LMCacheConfig:
         True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
               "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
               "default is false")
+    min_retrieve_tokens: int = setting(
+        0, "a hit that would load fewer new tokens than this is not loaded (vLLM computes them); 0: every "
+           "hit is loaded", check=at_least(0, "tokens"))
     cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
     blocking_timeout_secs: float = setting(
         10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",
@@ -68,12 +82,15 @@ class LMCacheConfig:
     def __post_init__(self):
         problems = normalize_fields(self, skip=("extra_config",))
         if not isinstance(self.extra_config, ExtraConfig):
-            # A mapping given in code goes through the loader's handling of extra_config keys (LMCache's
-            # names, typos) like every other source; imported here because the loader builds this class.
-            from lmcache_vllm.config.loader import build_extra
+            # A mapping given in code is read like every other source's extra_config (LMCache's names, typos).
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
+        if isinstance(self.remote_url, str):
+            remember_secret(url_password(self.remote_url))  # from now on redacted from any text we show
         raise_if_any(problems)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     @property
     def max_local_cpu_bytes(self) -> int:
@@ -88,11 +105,12 @@ class LMCacheConfig:
 
     def summary(self) -> str:
         """One line with every top-level key and the extra_config keys that differ from their default
-        (for the start-up log; a password in remote_url is masked)."""
-        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+        (for the start-up log; secrets redacted: see redact.py)."""
+        parts = [f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self)
                  if f.name != "extra_config"]
         defaults = ExtraConfig()
-        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
+        changed = {f.name: redact_value(f.name, getattr(self.extra_config, f.name))
+                   for f in dataclasses.fields(ExtraConfig)
                    if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
         return ", ".join(parts + [f"extra_config={changed!r}"])
 

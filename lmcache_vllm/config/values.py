@@ -12,8 +12,14 @@ import os
 from typing import Any, Optional
 from urllib.parse import quote, urlsplit
 
-from lmcache_vllm.config.lmcache import (CACHE_POLICIES, HASH_NAMES, MAPPED, REMOTE_SCHEME_DEFAULT,
-                                         REMOTE_SCHEMES, REMOTE_SERDE)
+from lmcache_vllm.config.lmcache import (
+    CACHE_POLICIES,
+    HASH_NAMES,
+    MAPPED,
+    REMOTE_SCHEME_DEFAULT,
+    REMOTE_SCHEMES,
+    REMOTE_SERDE,
+)
 
 SUPPORTED_REMOTE_SCHEMES = ("redis", "rediss", "unix")
 

@@ -1,7 +1,8 @@
-"""The README's metric table, generated from `metrics.METRICS` so that it cannot drift from the code.
+"""The metric table of docs/METRICS.md, generated from `metrics.METRICS` so that it cannot drift from the code
+(tests/test_metrics_names.py compares the document with `markdown()`).
 
     python -m lmcache_vllm.observability.metrics_doc              # print the table
-    python -m lmcache_vllm.observability.metrics_doc --update-readme
+    python -m lmcache_vllm.observability.metrics_doc --update-docs  # write it into docs/METRICS.md
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lmcache_vllm.observability.metrics import METRIC_LIST, PREFIX, MetricDef
 
 BEGIN = "<!-- BEGIN generated metrics -->"
 END = "<!-- END generated metrics -->"
-README = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "README.md")
+METRICS_DOC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "METRICS.md")
 
 
 def exposed_name(d: MetricDef) -> str:
@@ -43,18 +44,18 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def readme_section(text: str) -> Optional[str]:
-    return config_doc.readme_section(text, BEGIN, END)
+def generated_section(text: str) -> Optional[str]:
+    return config_doc.generated_section(text, BEGIN, END)
 
 
-def update_readme(path: str = README) -> None:
-    config_doc.update_readme(path, BEGIN, END, markdown())
+def update_doc(path: str = METRICS_DOC) -> None:
+    config_doc.update_doc(path, BEGIN, END, markdown())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["--update-readme"]:
-        update_readme()
+    if args == ["--update-docs"]:
+        update_doc()
     elif not args:
         print(markdown())
     else:

@@ -23,7 +23,7 @@ exception to the caller:
   and joins its thread and the backends' thread pools.
 
 Config: an `LMCacheConfig` (typed and defaulted; our own knobs are `config.extra_config`, declared in
-`config/extra.py`): the tier keys (see `tiers.py`), `blocking_timeout_secs` (get), `lookup_timeout_ms`
+`config/extra.py`): the tier keys (see `registry.py`), `blocking_timeout_secs` (get), `lookup_timeout_ms`
 (contains_prefix), `extra_config.write_queue_depth`, `write_workers`, `close_drain_secs`,
 `prefetch_hold_secs`.
 """

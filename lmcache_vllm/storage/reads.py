@@ -113,22 +113,33 @@ class LowerTierReads:
                         ready: int, peer: Optional[StorageBackend] = None) -> int:
         """Phase two of a prefetch: asks the lower tiers (behind `peer`, when given) where `keys` are
         (bounded by the lookup timeout: no answer in time is no hit), tells the handle, then reads and holds
-        that prefix. What `peer` does not serve is then looked for in the lower tiers."""
-        tiers = list(self.lower) if peer is None else [peer, *self.lower]
-        got = await self._locate_and_fetch(keys, owner, tiers, handle, ready)
-        if peer is not None and got < len(keys) and self.lower:
-            got += await self._locate_and_fetch(keys[got:], owner, list(self.lower))
-        return got
+        that prefix. What `peer` does not serve is then looked for in the lower tiers. Tells the handle when
+        it is over, however it ends (`handle.done()`)."""
+        try:
+            tiers = list(self.lower) if peer is None else [peer, *self.lower]
+            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready)
+            if peer is not None and got < len(keys) and self.lower:
+                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle)
+            return got
+        finally:
+            handle.finished()
 
     async def _locate_and_fetch(self, keys: Sequence[str], owner: int, tiers: list[StorageBackend],
-                                handle: Optional[PrefetchHandle] = None, ready: int = 0) -> int:
+                                handle: PrefetchHandle, ready: Optional[int] = None) -> int:
+        """Locates `keys` in `tiers`, reads and holds their longest prefix; with `ready` (the first
+        round of a prefetch) tells the handle where that prefix is."""
         try:
             where = await asyncio.wait_for(self._locate(keys, tiers), self.lookup_timeout)
         except asyncio.TimeoutError:
             metrics.inc("storage_timeouts", op="lookup")
             where = [None] * len(keys)
+        if handle.cancelled:
+            # Before Python 3.12, wait_for returns the tiers' answer when the cancel came just as
+            # they answered, swallowing it: without this check the prefetch of a request that went
+            # away read every chunk into the arena anyway.
+            raise asyncio.CancelledError()
         n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        if handle is not None:
+        if ready is not None:
             handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
         if n == 0:
             return 0

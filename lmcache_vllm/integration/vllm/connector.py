@@ -77,6 +77,8 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
 
     caches = list(kv_caches.values())
     kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
+    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
     identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
@@ -120,12 +122,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                              chunk_size=self.config.chunk_size, tp_size=world_size,
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
                              can_save=self.can_save)
-            self._scheduler = SchedulerHalf(
-                chunk_size=self.config.chunk_size, block_size=block_size, lookup_client=client,
-                can_load=self.can_load, can_save=self.can_save,
-                save_unfull_chunk=self.config.save_unfull_chunk,
-                save_decode_cache=self.config.save_decode_cache,
-                async_loading=self.config.enable_async_loading, pd=pd)
+            self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
+                                            can_load=self.can_load, can_save=self.can_save, pd=pd)
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank

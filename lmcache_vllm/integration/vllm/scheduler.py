@@ -40,14 +40,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
-from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
+from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec,
                                                     SaveSpec)
 from lmcache_vllm.integration.vllm.pd.params import RemotePrefill, wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:
@@ -128,24 +129,26 @@ class RequestTracker:
 class SchedulerHalf:
     """Implements the scheduler-side methods of `KVConnectorBase_V1` for `LMCacheConnector`."""
 
-    def __init__(self, *, chunk_size: int, block_size: int, lookup_client, can_load: bool,
-                 can_save: bool, save_unfull_chunk: bool, save_decode_cache: bool,
-                 request_keys: RequestKeys | None = None, async_loading: bool = True,
-                 pd: PDScheduler | None = None):
-        if chunk_size <= 0 or block_size <= 0:
-            raise ValueError(f"chunk_size ({chunk_size}) and block_size ({block_size}) must be positive")
-        self.chunk_size = chunk_size
+    def __init__(self, config: LMCacheConfig, *, block_size: int, lookup_client: LookupClient, can_load: bool,
+                 can_save: bool, request_keys: RequestKeys | None = None, pd: PDScheduler | None = None):
+        """`config` gives chunk_size, save_unfull_chunk, save_decode_cache, enable_async_loading and
+        min_retrieve_tokens; `can_load` / `can_save` come from vLLM's kv_role; `pd` answers vLLM's
+        kv_transfer_params (None: they are ignored)."""
+        if block_size <= 0:
+            raise ValueError(f"block_size ({block_size}) must be positive")
+        self.chunk_size = chunk_size = config.chunk_size
         self.block_size = block_size
         self.lookup_client = lookup_client
         self.can_load = can_load
         self.can_save = can_save
-        self.save_unfull_chunk = save_unfull_chunk
-        self.save_decode_cache = save_decode_cache
+        self.save_unfull_chunk = config.save_unfull_chunk
+        self.save_decode_cache = config.save_decode_cache
+        self.min_retrieve_tokens = config.min_retrieve_tokens
         self.request_keys = request_keys or RequestKeys(chunk_size)
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._warned_reasons: set[str] = set()
-        self.async_loading = async_loading
+        self.async_loading = config.enable_async_loading
         self._async_loads: list[tuple[RequestTracker, _PendingLoad]] = []
         self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
         self._delayed_free: list[str] = []  # finished with saves: vLLM frees them on finished_sending
@@ -185,6 +188,11 @@ class SchedulerHalf:
         usable = hit - 1 if hit == num_tokens else hit
         lookup.load_async = False
         if usable <= num_computed_tokens:
+            return 0, False
+        if usable - num_computed_tokens < self.min_retrieve_tokens:
+            # LMCache's min_retrieve_tokens: a hit this short is not worth a load; the lookup's hold is
+            # let go in update_state_after_alloc, and storing the prompt skips the chunks we hold.
+            metrics.inc("retrieves_below_minimum")
             return 0, False
         lookup.load_async = self.async_loading and not answer.in_l1
         return usable - num_computed_tokens, lookup.load_async
