@@ -23,13 +23,15 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
+
+if TYPE_CHECKING:  # the API server imports this through pd/params.py: it must not load the cache's memory
+    from lmcache_vllm.memory import MemoryObj
 
 PROTOCOL = b"LMVPD1"
 PROTOCOL_VERSION = 1  # the number in kv_transfer_params; bump with PROTOCOL
