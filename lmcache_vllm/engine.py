@@ -23,6 +23,7 @@ from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.prefetch import PrefetchHandle
 from lmcache_vllm.tokens import CacheKey, KeyBuilder
@@ -128,10 +129,13 @@ class CacheEngine:
     def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
         return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial, extra)]
 
-    def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None) -> list[_Chunk]:
+    def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None,
+                      include_partial: bool | None = None) -> list[_Chunk]:
         """Chunks worth storing: fully inside the mask and not in L1 yet (a lower tier that has one
-        already skips its write-through there)."""
-        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
+        already skips its write-through there). A partial last chunk with `save_unfull_chunk` (or when
+        `include_partial` says so)."""
+        partial = self.config.save_unfull_chunk if include_partial is None else include_partial
+        chunks = self._chunks(tokens, partial, extra)
         self._note_for_events(tokens, chunks)
         chunks = [c for c in chunks if bool(mask[c.start:c.end].all())]
         if not chunks:
@@ -210,23 +214,33 @@ class CacheEngine:
         tiers = self.storage.prefix_tiers([c.key for c in chunks])
         return (chunks[len(tiers) - 1].end if tiers else 0), tiers
 
-    def lookup_and_hold(self, tokens, start: int = 0, extra: ExtraKeys | None = None) -> HeldPrefix:
+    def lookup_and_hold(self, tokens, start: int = 0, extra: ExtraKeys | None = None,
+                        peer: StorageBackend | None = None) -> HeldPrefix:
         """Phase one of a load: finds the chunks of `tokens` from the one holding token `start` on (the
         caller has the tokens before it) and holds them for the load (see `HeldPrefix`); reads from
         lower tiers into L1 start at once. Never waits on a lower tier: `located()` says when they
-        answered."""
+        answered. `peer`: a prefill instance holding this request's chunks (`storage/peer.py`), read
+        before the lower tiers; its partial last chunk is asked for too."""
         cs = self.keys.chunk_size
         first = max(0, start) // cs
-        chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
+        chunks = self._chunks(tokens, self.config.save_unfull_chunk or peer is not None, extra)
         self._note_for_events(tokens, chunks)  # what the prefetch reads from below lands in L1
         chunks = chunks[first:]
-        handle = self.storage.prefetch([c.key for c in chunks])
+        handle = self.storage.prefetch([c.key for c in chunks], peer=peer)
         return HeldPrefix(handle, first * cs, [c.end for c in chunks])
 
+    def hold_prefix(self, tokens, extra: ExtraKeys | None = None) -> tuple[list[str], list[MemoryObj]]:
+        """The keys of every chunk of `tokens` (the partial last one included) and the L1 chunks of their
+        longest prefix in L1, one reference each for the caller: what a prefill instance holds for the
+        decode instance that will pull it."""
+        keys = [c.key.to_str() for c in self._chunks(tokens, True, extra)]
+        return keys, self.storage.pin_prefix(keys)
+
     def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
-              extra: ExtraKeys | None = None) -> int:
+              extra: ExtraKeys | None = None, include_partial: bool | None = None) -> int:
         """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored.
-        `extra`: the request's extra keys (see `extra_keys.py`); every method here takes them."""
+        `extra`: the request's extra keys (see `extra_keys.py`); every method here takes them.
+        `include_partial`: store a partial last chunk (None: as `save_unfull_chunk` says)."""
         self._releases.reap()
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
@@ -234,7 +248,7 @@ class CacheEngine:
         stored = 0
         gathered: list[tuple[_Chunk, MemoryObj]] = []
         try:
-            for chunk in self._store_chunks(tokens, mask, extra):
+            for chunk in self._store_chunks(tokens, mask, extra, include_partial):
                 obj = self._allocate(chunk)
                 if obj is None:
                     break
@@ -269,8 +283,8 @@ class CacheEngine:
         metrics.inc("loaded_tokens", int(loaded.sum()))
         return loaded
 
-    def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
-                    mask=None, extra: ExtraKeys | None = None) -> Generator[int, None, int]:
+    def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
+                    extra: ExtraKeys | None = None, include_partial: bool | None = None) -> Generator[int, None, int]:
         """Layerwise store: each `next()` copies one layer out of the paged cache (yielding its index);
         running the generator to its end commits the chunks to storage and returns the tokens stored.
 
@@ -280,7 +294,7 @@ class CacheEngine:
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
         chunks, objs = [], []
-        for chunk in self._store_chunks(tokens, mask, extra):
+        for chunk in self._store_chunks(tokens, mask, extra, include_partial):
             obj = self._allocate(chunk)
             if obj is None:
                 break

@@ -136,6 +136,27 @@ STABLE = [
      'Time of one batched read from a lower tier'),
     ("tier_write_seconds", "histogram", ('tier',),
      'Time to write one chunk to a lower tier'),
+    ("pd_pulled_chunks", "counter", ('peer',),
+     'Chunks a decode instance pulled from a prefill instance (peer: its host:port) and verified'),
+    ("pd_pulled_bytes", "counter", ('peer',),
+     'Bytes of the chunks pulled from a prefill instance'),
+    ("pd_pull_seconds", "histogram", ('peer',),
+     "Time of one request's pull from one prefill instance's rank, first request to last frame"),
+    ("pd_pull_failures", "counter", ('reason',),
+     'Pulls from a prefill instance that did not bring every chunk asked for (reason: timeout, '
+     'refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, bad_params, '
+     'role); the rest was recomputed'),
+    ("pd_served_chunks", "counter", (),
+     "Chunks a prefill instance's transfer server sent to a decode instance"),
+    ("pd_served_bytes", "counter", (),
+     "Bytes a prefill instance's transfer server sent"),
+    ("pd_holds_released", "counter", (),
+     "Holds of a prefill instance's chunks ended by the decode instance's RELEASE (or the "
+     "request's abort)"),
+    ("pd_holds_expired", "counter", (),
+     'Holds ended because no decode instance released them within extra_config.pd_hold_secs'),
+    ("pd_prefill_requests", "counter", (),
+     'Requests a prefill instance answered with kv_transfer_params for a decode instance'),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),
@@ -154,6 +175,11 @@ STABLE = [
      'Writes queued for the lower tiers'),
     ("prefetch_held_chunks", "gauge", (),
      'Chunks held in L1 by prefetches until their request loads them'),
+    ("pd_holds", "gauge", (),
+     'Requests whose chunks a prefill instance holds in L1 until a decode instance pulls them '
+     '(or the hold expires)'),
+    ("pd_held_bytes", "gauge", (),
+     'Bytes of L1 chunks held for decode instances'),
 ]
 
 

@@ -268,11 +268,11 @@ def test_a_cancel_as_the_tiers_answer_stops_the_prefetch(tmp_path, make_chunk, m
         gate: dict = {}
         reached = threading.Event()
 
-        async def gated_locate(self, keys):
+        async def gated_locate(self, keys, tiers=None):
             gate["answer"] = asyncio.Event()
             reached.set()
             await gate["answer"].wait()  # the tiers answer when the test says so
-            return await real_locate(self, keys)
+            return await real_locate(self, keys, tiers)
 
         monkeypatch.setattr(type(mgr), "_locate", gated_locate)
         handle = mgr.prefetch([key(i) for i in range(4)])

@@ -26,6 +26,11 @@ from lmcache_vllm.config.redact import remember_secret
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
+MAX_RANKS = 256  # ports above a base port kept free for the ranks
+
+
+def _port_base(value: int) -> Optional[str]:
+    return None if 0 <= value <= 65535 - MAX_RANKS else f"a port from 0 to {65535 - MAX_RANKS}"
 
 
 def READABLE_FILE(path: str) -> Optional[str]:  # noqa: N802 (a check, named like the constants above)
@@ -90,6 +95,18 @@ class ExtraConfig:
                                              "their host names), 'optional' or 'none' (encryption without "
                                              "authentication of the server)",
                                  choices=("required", "optional", "none"))
+    # Disaggregated prefill (docs/DISAGGREGATED.md)
+    pd_host: Optional[str] = setting(None, "address the KV transfer server of each worker rank binds and a "
+                                           "prefill instance names in kv_transfer_params (\"0.0.0.0\": every "
+                                           "interface, vLLM's host IP named); null: as vLLM's NIXL connector, "
+                                           "VLLM_NIXL_SIDE_CHANNEL_HOST (default localhost)")
+    pd_port: int = setting(0, "port of TP rank 0's KV transfer server (rank r: pd_port + r); 0: ports the OS "
+                              "picks (the scheduler asks the workers)", check=_port_base)
+    pd_hold_secs: float = setting(30.0, "how long a prefill instance holds a request's chunks for its decode "
+                                        "instance when no RELEASE comes (vLLM's kv_lease_duration)", check=SECONDS)
+    pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
+                                                "next message of a pull; past it, the rest is recomputed",
+                                          check=SECONDS)
     # KV copies on a GPU
     cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
                                        "the torch path's bytes on a scratch copy of that layout; otherwise an "

@@ -52,8 +52,9 @@ P2P = ("enable_p2p",)
 CONTROLLER = ("enable_controller",)
 API_SERVER = ("internal_api_server_enabled",)
 BLEND = ("enable_blending",)
-_PD = "disaggregated prefill sending KV GPU to GPU (NIXL/Mooncake); lmcache-vllm does PD through a shared " \
-      "tier: kv_role kv_producer / kv_consumer with one remote_url"
+_PD = "LMCache's disaggregated prefill (P pushes KV GPU to GPU over NIXL to D's listener, LMCache's proxy " \
+      "protocol); lmcache-vllm speaks vLLM's protocol instead (kv_transfer_params, D pulls from P; no switch, " \
+      "settings extra_config.pd_*: docs/DISAGGREGATED.md) or goes through Redis (kv_producer / kv_consumer)"
 _P2P = "peer-to-peer sharing of L1 between instances; lmcache-vllm shares through remote_url (Redis)"
 _CONTROLLER = "the cache controller (a central service tracking every instance's cache)"
 _API = "LMCache's internal HTTP API server"

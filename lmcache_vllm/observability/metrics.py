@@ -1,7 +1,7 @@
 """The one metrics model of lmcache-vllm: the table of every metric (`METRICS`) and the process recorder.
 
 - `METRICS` names each counter, gauge and histogram once, with its unit, help text and labels (`tier`:
-  local_cpu / local_disk / redis; `node`: a Redis server or cluster node). Prometheus exposes them as
+  local_cpu / local_disk / redis / peer; `node`: a Redis server or cluster node). Prometheus exposes them as
   `lmcache_vllm:<name>` (counters with `_total`); the metric table in docs/METRICS.md is generated from it.
 - Code anywhere in the process records with `inc(name, n, **labels)`, `observe(name, seconds, **labels)`
   or `timed(name)`; gauges are read when asked for, from functions given to `register_gauges` (a tier
@@ -155,6 +155,23 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "or moved): the command was sent again where redis-py's slot map says", _N),
     _h("tier_read_seconds", "Time of one batched read from a lower tier", _T),
     _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
+    # -- disaggregated prefill (docs/DISAGGREGATED.md): D pulls a request's chunks from P's transfer server
+    _c("pd_pulled_chunks", "chunks", "Chunks a decode instance pulled from a prefill instance (peer: its "
+       "host:port) and verified", ("peer",)),
+    _c("pd_pulled_bytes", "bytes", "Bytes of the chunks pulled from a prefill instance", ("peer",)),
+    _h("pd_pull_seconds", "Time of one request's pull from one prefill instance's rank, first request "
+       "to last frame", ("peer",)),
+    _c("pd_pull_failures", "requests", "Pulls from a prefill instance that did not bring every chunk asked "
+       "for (reason: timeout, refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, "
+       "bad_params, role); the rest was recomputed", ("reason",)),
+    _c("pd_served_chunks", "chunks", "Chunks a prefill instance's transfer server sent to a decode instance"),
+    _c("pd_served_bytes", "bytes", "Bytes a prefill instance's transfer server sent"),
+    _c("pd_holds_released", "requests", "Holds of a prefill instance's chunks ended by the decode "
+       "instance's RELEASE (or the request's abort)"),
+    _c("pd_holds_expired", "requests", "Holds ended because no decode instance released them within "
+       "extra_config.pd_hold_secs"),
+    _c("pd_prefill_requests", "requests", "Requests a prefill instance answered with kv_transfer_params "
+       "for a decode instance", scope="engine"),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
@@ -169,6 +186,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),
     _g("prefetch_held_chunks", "chunks", "Chunks held in L1 by prefetches until their request loads "
        "them"),
+    _g("pd_holds", "requests", "Requests whose chunks a prefill instance holds in L1 until a decode "
+       "instance pulls them (or the hold expires)"),
+    _g("pd_held_bytes", "bytes", "Bytes of L1 chunks held for decode instances"),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}
 

@@ -37,7 +37,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -255,17 +255,22 @@ def verify_payload(header: ChunkHeader, payload, mac: Optional[ChunkMac] = None)
 
 def decode_into(buf, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
     """Copies and checks the payload of `buf` (header + payload) into the preallocated tensor `out`."""
+    view = memoryview(buf).cast("B")
+    decode_payload_into(view[header.header_len:], header, out, mac)
+
+
+def decode_payload_into(payload, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
+    """Copies and checks a payload that arrived apart from its header (a network frame) into `out`."""
     if tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise ValueError(f"destination is {tuple(out.shape)}/{out.dtype}, chunk is "
                          f"{header.shape}/{header.dtype}")
-    view = memoryview(buf).cast("B")
-    if len(view) - header.header_len != header.payload_len:
-        raise CorruptEntry(f"payload has {len(view) - header.header_len} bytes, header says "
-                           f"{header.payload_len}")
+    view = memoryview(payload).cast("B")
+    if len(view) != header.payload_len:
+        raise CorruptEntry(f"payload has {len(view)} bytes, header says {header.payload_len}")
     dest = payload_view(out)
     if header.payload_len:
         # numpy only supplies the source address (any buffer, read-only included); `src` keeps it alive.
-        src = np.frombuffer(view, dtype=np.uint8, count=header.payload_len, offset=header.header_len)
+        src = np.frombuffer(view, dtype=np.uint8, count=header.payload_len)
         ctypes.memmove(out.data_ptr(), src.ctypes.data, header.payload_len)
     verify_payload(header, dest, mac)
 
@@ -278,11 +283,26 @@ def decode(buf, expected_key: Optional[str],
     if the bytes turn out to be corrupt (then `CorruptEntry` propagates)."""
     header = parse_header(buf, expected_key)
     check_size(header, len(buf))
+    return _alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
+
+
+def decode_parts(header_buf, payload, expected_key: Optional[str],
+                 alloc: Callable[[tuple, torch.dtype], object], mac: Optional[ChunkMac] = None):
+    """`decode` for a header and a payload that arrived as separate buffers (network frames): the header
+    buffer must be exactly the header, the payload exactly the payload."""
+    header = parse_header(header_buf, expected_key)
+    if len(header_buf) != header.header_len:
+        raise CorruptEntry(f"header frame has {len(header_buf)} bytes, header says {header.header_len}")
+    return _alloc_and_fill(header, payload, alloc, mac)
+
+
+def _alloc_and_fill(header: ChunkHeader, payload, alloc: Callable[[tuple, torch.dtype], Any],
+                    mac: Optional[ChunkMac]):
     obj = alloc(header.shape, header.dtype)
     if obj is None:
         return None
     try:
-        decode_into(buf, header, obj.tensor, mac)
+        decode_payload_into(payload, header, obj.tensor, mac)
     except BaseException:
         obj.ref_down()
         raise

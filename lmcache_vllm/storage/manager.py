@@ -141,8 +141,8 @@ class StorageManager(LowerTierReads):
         k = _key_str(key)
         known = self.l1.keep_entries and self.l1.contains_sync(k)
         self.l1.put_sync(k, obj)
-        if not self.lower or known:
-            return  # already written through when it was first stored (or read from below)
+        if not self.lower or (known and not self._writes.failed(k)):
+            return  # written through when it was first stored (or read from below); a failed write is retried
         with self._lock:
             if self._closed:
                 return
@@ -156,9 +156,39 @@ class StorageManager(LowerTierReads):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
 
     def wait_written(self, keys: Sequence[KeyLike], timeout: float) -> bool:
-        """Waits until the lower-tier writes of `keys` queued so far ended; False if one was dropped,
-        failed or is still going after `timeout` seconds (see `writes.py`)."""
-        return not self.lower or self._writes.wait([_key_str(k) for k in keys], timeout)
+        """Waits until every one of `keys` is in every lower tier: the writes queued so far ended well, and
+        keys with no write seen lately (stored long ago, found in L1, or dropped before any write) are
+        there when the tiers are asked. False if one is not, or after `timeout` seconds."""
+        if not self.lower:
+            return True
+        deadline = time.monotonic() + timeout
+        ok, unseen = self._writes.wait([_key_str(k) for k in keys], timeout)
+        if not ok or not unseen:
+            return ok
+        if self._closed:
+            return False
+        fut = asyncio.run_coroutine_threadsafe(self._in_every_lower_tier(unseen), self._loop)
+        try:
+            return fut.result(max(0.0, deadline - time.monotonic()))
+        except Exception:  # a timeout or a failing tier: not known to be written
+            fut.cancel()
+            return False
+
+    async def _in_every_lower_tier(self, keys: list[str]) -> bool:
+        found = await asyncio.gather(*(tier.contains(keys) for tier in self.lower), return_exceptions=True)
+        return all(not isinstance(f, BaseException) and all(f) for f in found)
+
+    def pin_prefix(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
+        """The L1 chunks of the longest prefix of `keys` in L1, each with a reference for the caller (which
+        keeps the allocator from evicting it until the caller drops it). No I/O, not counted as a hit: a
+        prefill instance holds what it just stored for its decode instance (`peer_holds.py`)."""
+        out: list[MemoryObj] = []
+        for k in keys:
+            obj = self.l1.get_sync(_key_str(k))
+            if obj is None:
+                break
+            out.append(obj)
+        return out
 
     def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Whether each key is in L1 memory: no I/O, so the store path never waits on a slow tier (a
@@ -217,10 +247,11 @@ class StorageManager(LowerTierReads):
             return out
         return out + lower
 
-    def prefetch(self, keys: Sequence[KeyLike]) -> PrefetchHandle:
+    def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None) -> PrefetchHandle:
         """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
         is (`handle.located()`), reads that into L1 and holds it too. Holds last until a `get` with
-        `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass."""
+        `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass. `peer`: a tier of
+        this request only (a prefill instance's chunks, `peer.py`), read before the lower tiers."""
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
@@ -237,11 +268,13 @@ class StorageManager(LowerTierReads):
             n += 1
         # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
         self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
-        if n == len(ks) or not self.lower:
+        if n == len(ks) or not (self.lower or peer):
+            if peer is not None:  # nothing to pull: the peer may drop what it keeps for this request
+                asyncio.run_coroutine_threadsafe(peer.close(), self._loop)
             return PrefetchHandle(None, n, release, owner)
         metrics.inc("prefetches")
         handle = PrefetchHandle(None, n, release, owner, lower_pending=True)
-        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n),
+        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer),
                                                        self._loop))
         return handle
 

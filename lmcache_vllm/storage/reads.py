@@ -1,7 +1,9 @@
 """How `StorageManager` reads its lower tiers (L2 disk, L3 Redis), on its event loop: `_locate` (which
 tier holds each key, one batched existence check per tier), `_fetch` (read the longest lower-tier prefix
 into L1 memory and promote it), `_prefetch` (phase two of a prefetch: locate, tell the handle, read,
-hold). A mixin: it uses the manager's `lower`, `l1`, `_holds` and `lookup_timeout`.
+hold). A prefetch may put a per-request tier in front of the lower ones (a prefill instance's transfer
+server, `peer.py`): what it does not serve is then looked for in the lower tiers. A mixin: it uses the
+manager's `lower`, `l1`, `_holds` and `lookup_timeout`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class LowerTierReads:
-    async def _locate(self, keys: Sequence[str]) -> list[Optional[StorageBackend]]:
-        """For each key the first lower tier holding it (None: nowhere); one batch per tier."""
+    async def _locate(self, keys: Sequence[str],
+                      tiers: Optional[Sequence[StorageBackend]] = None) -> list[Optional[StorageBackend]]:
+        """For each key the first of `tiers` (default: the lower tiers) holding it (None: nowhere); one
+        batch per tier."""
         where: list[Optional[StorageBackend]] = [None] * len(keys)
         unknown = list(range(len(keys)))
-        for tier in self.lower:
+        for tier in self.lower if tiers is None else tiers:
             if not unknown:
                 break
             try:
@@ -48,16 +52,18 @@ class LowerTierReads:
         n = next((i for i, tier in enumerate(where) if tier is None), len(where))
         return [tier.name for tier in where[:n]]
 
-    async def _fetch(self, keys: Sequence[str],
-                     where: Optional[list[Optional[StorageBackend]]] = None) -> list[MemoryObj]:
-        """Reads the longest lower-tier prefix of `keys` into L1 memory; promotes; refs for the caller.
-        `where` (from `_locate`) saves asking the tiers again."""
+    async def _fetch(self, keys: Sequence[str], where: Optional[list[Optional[StorageBackend]]] = None,
+                     tiers: Optional[Sequence[StorageBackend]] = None) -> list[MemoryObj]:
+        """Reads the longest prefix of `keys` that `tiers` (default: the lower tiers) hold into L1 memory;
+        promotes; refs for the caller. `where` (from `_locate`) saves asking the tiers again."""
+        tiers = list(self.lower if tiers is None else tiers)
         if where is None:
-            where = await self._locate(keys)
+            where = await self._locate(keys, tiers)
         n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        rank = {id(tier): r for r, tier in enumerate(tiers)}  # where each key's tier stands in `tiers`
         by_tier: dict[int, list[int]] = {}
         for i in range(n):
-            by_tier.setdefault(self.lower.index(where[i]), []).append(i)
+            by_tier.setdefault(rank[id(where[i])], []).append(i)
         alloc = self.l1.try_allocate
 
         async def read(tier: StorageBackend, idx: list[int]):
@@ -73,10 +79,10 @@ class LowerTierReads:
             finally:
                 metrics.observe("tier_read_seconds", time.perf_counter() - t0, tier=tier.name)
 
-        tiers = list(by_tier)
-        results = await gather_owned(read(self.lower[t], by_tier[t]) for t in tiers)
+        reading = list(by_tier)
+        results = await gather_owned(read(tiers[t], by_tier[t]) for t in reading)
         objs: list[Optional[MemoryObj]] = [None] * n
-        for t, got in zip(tiers, results):
+        for t, got in zip(reading, results):
             for i, obj in zip(by_tier[t], got):
                 objs[i] = obj
         keep = next((i for i, obj in enumerate(objs) if obj is None), n)
@@ -86,9 +92,8 @@ class LowerTierReads:
             metrics.inc("chunk_hits", tier=tier.name)
             metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
             self.l1.put_sync(keys[i], objs[i])
-        for tier in self.lower:  # keys each tier was asked about and could not serve
-            asked = sum(1 for i in range(len(keys)) if where[i] is None or
-                        self.lower.index(where[i]) > self.lower.index(tier))
+        for r, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
+            asked = sum(1 for i in range(len(keys)) if where[i] is None or rank[id(where[i])] > r)
             metrics.inc("chunk_misses", asked, tier=tier.name)
         return objs[:keep]
 
@@ -105,28 +110,40 @@ class LowerTierReads:
         handoff.deliver(objs)
 
     async def _prefetch(self, keys: Sequence[str], owner: int, handle: PrefetchHandle,
-                        ready: int) -> int:
-        """Phase two of a prefetch: asks the lower tiers where `keys` are (bounded by the lookup
-        timeout: no answer in time is no hit), tells the handle, then reads and holds that prefix.
-        Tells the handle when it is over, however it ends (`handle.done()`)."""
+                        ready: int, peer: Optional[StorageBackend] = None) -> int:
+        """Phase two of a prefetch: asks the lower tiers (behind `peer`, when given) where `keys` are
+        (bounded by the lookup timeout: no answer in time is no hit), tells the handle, then reads and holds
+        that prefix. What `peer` does not serve is then looked for in the lower tiers. Tells the handle when
+        it is over, however it ends (`handle.done()`)."""
         try:
-            try:
-                where = await asyncio.wait_for(self._locate(keys), self.lookup_timeout)
-            except asyncio.TimeoutError:
-                metrics.inc("storage_timeouts", op="lookup")
-                where = [None] * len(keys)
-            if handle.cancelled:
-                # Before Python 3.12, wait_for returns the tiers' answer when the cancel came just as
-                # they answered, swallowing it: without this check the prefetch of a request that went
-                # away read every chunk into the arena anyway.
-                raise asyncio.CancelledError()
-            n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-            handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
-            if n == 0:
-                return 0
-            objs = await self._fetch(keys[:n], where[:n])
-            for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
-                self._holds.hold(owner, key, obj)
-            return len(objs)
+            tiers = list(self.lower) if peer is None else [peer, *self.lower]
+            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready)
+            if peer is not None and got < len(keys) and self.lower:
+                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle)
+            return got
         finally:
             handle.finished()
+
+    async def _locate_and_fetch(self, keys: Sequence[str], owner: int, tiers: list[StorageBackend],
+                                handle: PrefetchHandle, ready: Optional[int] = None) -> int:
+        """Locates `keys` in `tiers`, reads and holds their longest prefix; with `ready` (the first
+        round of a prefetch) tells the handle where that prefix is."""
+        try:
+            where = await asyncio.wait_for(self._locate(keys, tiers), self.lookup_timeout)
+        except asyncio.TimeoutError:
+            metrics.inc("storage_timeouts", op="lookup")
+            where = [None] * len(keys)
+        if handle.cancelled:
+            # Before Python 3.12, wait_for returns the tiers' answer when the cancel came just as
+            # they answered, swallowing it: without this check the prefetch of a request that went
+            # away read every chunk into the arena anyway.
+            raise asyncio.CancelledError()
+        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        if ready is not None:
+            handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
+        if n == 0:
+            return 0
+        objs = await self._fetch(keys[:n], where[:n], tiers)
+        for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
+            self._holds.hold(owner, key, obj)
+        return len(objs)

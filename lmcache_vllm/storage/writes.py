@@ -1,6 +1,7 @@
 """Which write-throughs to the lower tiers are in flight, and how the recent ones ended, by key: what a
 PD producer waits on before it answers (`StorageManager.wait_written`), so that a consumer looking the
-prompt up in the shared tier right after finds it."""
+prompt up in the shared tier right after finds it. A key with no write seen lately is not assumed written:
+`wait` returns it, and the manager asks the lower tiers whether they have it."""
 
 from __future__ import annotations
 
@@ -41,15 +42,23 @@ class WriteTracker:
         write.ok = ok
         write.done.set()
 
-    def wait(self, keys: Iterable[str], timeout: float) -> bool:
-        """True when every key's last write ended well within `timeout` seconds (a key not written
-        through lately was written before: L1 held it, so it came from or went to the lower tiers)."""
+    def failed(self, key: str) -> bool:
+        """Whether the last write-through seen of `key` was dropped or failed (a new store retries it)."""
+        with self._lock:
+            write = self._writes.get(key)
+        return write is not None and write.done.is_set() and not write.ok
+
+    def wait(self, keys: Iterable[str], timeout: float) -> tuple[bool, list[str]]:
+        """(whether every write seen of these keys ended well within `timeout` seconds, the keys with no
+        write seen lately: stored before, skipped, or never stored at all, which only the tiers can tell)."""
         deadline = time.monotonic() + timeout
+        unseen = []
         for key in keys:
             with self._lock:
                 write: Optional[_Write] = self._writes.get(key)
             if write is None:
+                unseen.append(key)
                 continue
             if not write.done.wait(max(0.0, deadline - time.monotonic())) or not write.ok:
-                return False
-        return True
+                return False, unseen
+        return True, unseen

@@ -6,7 +6,9 @@
                            "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/kv"}}'
 
 `kv_connector_extra_config` takes the keys of the YAML config (`load_config(overrides=...)`). Roles:
-kv_both stores and loads, kv_producer only stores, kv_consumer only loads.
+kv_both stores and loads, kv_producer only stores, kv_consumer only loads. Disaggregated prefill with vLLM's
+kv_transfer_params (docs/DISAGGREGATED.md): a saving role holds for decode instances, a loading role pulls
+from prefill instances; `pd/` holds that part.
 
 vLLM builds one instance per role: the SCHEDULER one (in the EngineCore process) delegates to
 `scheduler.SchedulerHalf`, each WORKER one (one per tensor-parallel rank) to `worker.WorkerHalf`. The
@@ -34,12 +36,16 @@ from lmcache_vllm.integration.vllm.lookup import LookupClient
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailureAgreement, check_supported,
                                                        worker_layout)
+from lmcache_vllm.integration.vllm.pd.params import advertised_host
+from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:
+    from lmcache_vllm.engine import CacheEngine
+    from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.outputs import KVConnectorOutput
@@ -55,7 +61,7 @@ logger = logging.getLogger(__name__)
 _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
 _HIT_SOURCES = {Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
-                Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED}
+                Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
@@ -112,21 +118,35 @@ class LMCacheConnector(KVConnectorBase_V1):
             self.config.enable_kv_events and role == KVConnectorRole.SCHEDULER) else None
         if role == KVConnectorRole.SCHEDULER:
             client = LookupClient(sizes.lookup_addresses(instance_id), timeout_ms=self.config.lookup_timeout_ms)
+            pd = PDScheduler(engine_id=instance_id, host=advertised_host(self.config.extra_config.pd_host),
+                             chunk_size=self.config.chunk_size, tp_size=world_size,
+                             ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
+                             can_save=self.can_save)
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
-                                            can_load=self.can_load, can_save=self.can_save)
+                                            can_load=self.can_load, can_save=self.can_save, pd=pd)
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
             config = self.config
+            can_save = self.can_save
+
+            def peer_transfer(engine: "CacheEngine") -> "PeerTransfer":
+                from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
+                from lmcache_vllm.storage.registry import chunk_mac
+
+                return PeerTransfer(config, engine, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+                                    mac=chunk_mac(config), serve=can_save)
+
             self._worker = WorkerHalf(
                 config, engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, layout,
                                                                          kv_cache_config),
                 block_size=block_size,
                 # A PD producer answers only once its chunks are in the shared tier (save_pipeline.py).
                 durable_saves=kv_role == "kv_producer",
-                lookup_address=layout.lookup_address(instance_id) if self.can_load else None,
+                # Every role serves the lookup channel: its commands (reset, the transfer ports) too.
+                lookup_address=layout.lookup_address(instance_id),
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
-                failure_agreement=TPFailureAgreement(layout.tp_size))
+                failure_agreement=TPFailureAgreement(layout.tp_size), peer_factory=peer_transfer)
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps
-from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, RequestLoads
+from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, OpenPeer, RequestLoads
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, slot_mapping_for
 from lmcache_vllm.observability import logs, metrics
@@ -40,14 +40,15 @@ class LoadPipeline:
 
     def __init__(self, engine: CacheEngine, kv_caches: list[torch.Tensor], layer_index: dict[str, int], *,
                  block_size: int, use_layerwise: bool, timeout_s: float,
-                 failure_agreement: FailureAgreement | None = None):
+                 failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None):
         self.engine = engine
         self.kv_caches = kv_caches
         self.layer_index = layer_index
         self.block_size = block_size
         self.use_layerwise = use_layerwise
         self.timeout_s = timeout_s
-        self.requests = RequestLoads(engine, timeout_s=timeout_s, hold_s=engine.storage.prefetch_hold_secs)
+        self.requests = RequestLoads(engine, timeout_s=timeout_s, hold_s=engine.storage.prefetch_hold_secs,
+                                     open_peer=open_peer)
         self._agree = failure_agreement or list
         self._load_errors: set[int] = set()
         self._unloaded: set[str] = set()  # asynchronous loads refused while paused, to report done

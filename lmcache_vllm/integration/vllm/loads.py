@@ -7,6 +7,8 @@
   all; until they answer the result is `pending` (vLLM tries R again next step, other requests run).
 - The held prefix stays registered under R until R's load takes it (`take` / `begin_async`), the
   scheduler says R loads nothing (`release`), R finishes, or the hold time of the storage passes.
+- A load naming a prefill instance (disaggregated prefill: no lookup came first) starts its hold in
+  `begin_async`, with that instance as a tier in front of the lower ones (`open_peer(spec.peer)`).
 - An asynchronous load (`begin_async`) waits for its chunks to be read into L1 while vLLM runs other
   requests; `ready_loads()` hands out those whose reads are over (or whose `timeout_s` passed: then
   whatever is not in L1 is a failed load, recomputed by vLLM — never a hang). `abort(req_ids)` drops the
@@ -18,14 +20,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
-from lmcache_vllm.integration.vllm.metadata import LoadSpec
+from lmcache_vllm.integration.vllm.metadata import LoadSpec, PeerSpec
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
+    from lmcache_vllm.storage.base import StorageBackend
+
+# A prefill instance of a load (`LoadSpec.peer`) -> the tier that pulls from it (`pd/worker.py`).
+OpenPeer = Callable[[PeerSpec], "StorageBackend"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +63,9 @@ class RequestLoads:
     """See the module docstring. Thread-safe: lookups come from the lookup server's thread (or vLLM's
     scheduler thread), loads from the worker's step."""
 
-    def __init__(self, engine: CacheEngine, *, timeout_s: float, hold_s: float):
+    def __init__(self, engine: CacheEngine, *, timeout_s: float, hold_s: float, open_peer: OpenPeer | None = None):
         self.engine = engine
+        self.open_peer = open_peer
         self.timeout_s = float(timeout_s)
         self.hold_s = float(hold_s)
         self._lock = threading.Lock()
@@ -119,6 +126,9 @@ class RequestLoads:
     # ------------------------------------------------------------------ asynchronous loads
     def begin_async(self, spec: LoadSpec) -> None:
         held = self.take(spec.req_id)
+        if held is None and spec.peer is not None and self.open_peer is not None:
+            held = self.engine.lookup_and_hold(spec.token_ids, spec.skip_leading, spec.extra,
+                                               peer=self.open_peer(spec.peer))
         job = AsyncLoad(spec, held, time.monotonic() + self.timeout_s)
         with self._lock:
             self._async[spec.req_id] = job

@@ -5,7 +5,9 @@ tensor parallelism), so it holds plain ints, lists and numpy arrays only (token 
 per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them) and the
 request's `ExtraKeys` (frozen bytes; None only where nothing is cached). Per request it carries at most one
 `LoadSpec` (copy a cached prefix into the paged KV cache before the forward, or asynchronously while
-the request waits) and one `SaveSpec` (copy freshly computed KV out of the paged cache after it).
+the request waits; from a prefill instance first when it names one) and one `SaveSpec` (copy freshly
+computed KV out of the paged cache after it), and for disaggregated prefill the holds and releases of
+docs/DISAGGREGATED.md.
 """
 from __future__ import annotations
 
@@ -30,6 +32,26 @@ def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> 
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
+@dataclass(frozen=True)
+class PeerSpec:
+    """A prefill instance holding a request's chunks (disaggregated prefill): its host, one transfer port per
+    tensor-parallel rank, and the request's id there (the name of the hold)."""
+
+    req_id: str
+    host: str
+    ports: tuple[int, ...]
+
+
+@dataclass
+class PeerHoldSpec:
+    """The prefill side: hold the chunks of `token_ids` (the prompt) for the decode instance, once the
+    request's saves are over."""
+
+    req_id: str
+    token_ids: np.ndarray  # int64
+    extra: ExtraKeys | None = None
+
+
 @dataclass
 class LoadSpec:
     """Load tokens [skip_leading, load_end) of `token_ids` into the request's blocks.
@@ -49,6 +71,7 @@ class LoadSpec:
     load_end: int
     extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
     is_async: bool = False
+    peer: PeerSpec | None = None  # pull from this prefill instance first (disaggregated prefill)
 
 
 @dataclass
@@ -65,6 +88,7 @@ class SaveSpec:
     skip_leading: int
     is_last: bool = False
     extra: ExtraKeys | None = None
+    for_peer: bool = False  # held for a decode instance: the partial last chunk too, no wait for Redis
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +107,12 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     # (finished_sending), and requests preempted this step (their blocks are freed at once).
     delayed_free_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Disaggregated prefill: holds to register (prefill side), holds of aborted requests to drop, and
+    # prefill instances to tell that this decode instance will not pull (refused, aborted, nothing to pull).
+    peer_holds: list[PeerHoldSpec] = field(default_factory=list)
+    peer_unholds: list[str] = field(default_factory=list)
+    peer_releases: list[PeerSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.release_req_ids
+        return not (self.loads or self.saves or self.release_req_ids or self.peer_holds or self.peer_unholds
+                    or self.peer_releases)

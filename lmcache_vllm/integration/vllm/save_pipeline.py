@@ -8,7 +8,8 @@
 - A request whose load failed in this step (on any rank) saves nothing: its KV past the hole was computed
   against missing context.
 - A PD producer (`durable`): the step that completes a prompt returns only once its chunks are in every
-  lower tier, so vLLM answers only when a consumer can find them.
+  lower tier, so vLLM answers only when a consumer can find them; not for a prompt held for a decode
+  instance (`SaveSpec.for_peer`, docs/DISAGGREGATED.md), which is pulled from L1.
 On a GPU the copies run on a side stream after an event recorded on vLLM's stream (`layouts.streams`), so
 they read the KV the forward wrote; a step waits for the device only to commit a layerwise save or a
 synchronous one.
@@ -75,7 +76,8 @@ class SavePipeline:
         try:
             tokens, slots, mask = self._save_args(spec)
             self._storers.add(spec.req_id, self.engine.store_layer(tokens, self.kv_caches, slots, mask,
-                                                                   extra=spec.extra))
+                                                                   extra=spec.extra,
+                                                                   include_partial=spec.for_peer or None))
         except Exception:
             _store_failed("request %s: store failed", spec.req_id)
 
@@ -95,7 +97,7 @@ class SavePipeline:
             return
         mark = self.side.mark()  # the forward that wrote this step's KV was enqueued before this point
         future = self.queue.submit(lambda specs: self._store_all(specs, mark), saves)
-        if self.durable and any(spec.is_last for spec in saves):
+        if self.durable and any(spec.is_last and not spec.for_peer for spec in saves):
             # A producer's answer must not leave before a consumer can find the prompt's chunks.
             self.queue.wait([future], self.timeout_s)
             self._wait_durable(saves)
@@ -103,7 +105,9 @@ class SavePipeline:
     def _wait_durable(self, saves: list[SaveSpec]) -> None:
         """A producer: the chunks of every prompt completed this step are in every lower tier (bounded)."""
         for spec in saves if self.durable else ():
-            if spec.is_last and not self.engine.wait_written(spec.token_ids, self.timeout_s, spec.extra):
+            # A save held for a decode instance (disaggregated prefill) is pulled from L1: no Redis wait.
+            if spec.is_last and not spec.for_peer and not self.engine.wait_written(spec.token_ids, self.timeout_s,
+                                                                                   spec.extra):
                 metrics.inc("durable_save_timeouts")
 
     def _store_all(self, saves: list[SaveSpec], mark: torch.cuda.Event | None = None) -> None:
@@ -112,7 +116,8 @@ class SavePipeline:
                 with metrics.timed("store_seconds"):
                     tokens, slots, mask = self._save_args(spec)
                     with self.side.after(mark):  # after the forward that wrote the KV (on a GPU)
-                        self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra)
+                        self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra,
+                                          include_partial=spec.for_peer or None)
             except Exception:
                 _store_failed("request %s: store failed; the chunks stay uncached", spec.req_id)
 

@@ -100,6 +100,26 @@ class SaveQueue:
                    np.array_equal(np.asarray(spec.token_ids[:first], dtype=np.int64), head)
                    for specs in pending for spec in specs)
 
+    def when_done(self, req_ids: Iterable[str], callback: Callable[[], None]) -> None:
+        """Calls `callback()` once the saves of `req_ids` handed out so far are over: at once when none
+        is in flight, else on the save thread after the last of them."""
+        futures = self._futures(req_ids)
+        if not futures:
+            callback()
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+
+        for future in futures:
+            future.add_done_callback(one_done)
+
     def finished(self, req_ids: Iterable[str]) -> None:
         """These requests finished and vLLM keeps their blocks until we report them (`newly_done`)."""
         with self._lock:

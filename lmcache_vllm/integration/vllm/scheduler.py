@@ -26,6 +26,11 @@ Rules:
   (`request_finished` returns True) until every worker reports its saves over (finished_sending).
 - Preemption: the request's blocks are replaced on resume; what was saved stays saved. When vLLM rolls
   a request back (a failed load), saving restarts from the rolled-back position.
+- Disaggregated prefill (`pd/`, docs/DISAGGREGATED.md): a request with `do_remote_decode` also saves its
+  partial last chunk, has its prompt's chunks held for the decode instance from the step its prompt
+  completes (`PeerHoldSpec`) and is answered with P's kv_transfer_params; a request with
+  `do_remote_prefill` is answered (prompt tokens beyond vLLM's own hit, load_async) without a lookup and
+  loaded asynchronously from the prefill instance first.
 """
 from __future__ import annotations
 
@@ -38,9 +43,13 @@ import numpy as np
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
-from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec,
+                                                    SaveSpec)
+from lmcache_vllm.integration.vllm.pd.params import RemotePrefill, wants_remote_prefill
+from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
+from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -87,6 +96,15 @@ class RequestTracker:
         self.hit_sources: dict[str, int] = {}  # tokens of the last planned load, by the tier holding them
         self.saves_emitted = 0
         self._token_array = np.empty(0, dtype=np.int64)
+        # Disaggregated prefill. Prefill side: hold the prompt's chunks for a decode instance (and whether
+        # the hold went out). Decode side: where the prompt's KV waits, whether this instance still has to
+        # pull or release it (`remote_open`), vLLM's own hit when asked, and the pull of the planned load.
+        self.holds_for_peer = False
+        self.hold_emitted = False
+        self.remote: RemotePrefill | None = None
+        self.remote_open = False
+        self.remote_computed = 0
+        self.peer_load: PeerSpec | None = None
 
     def token_array(self) -> np.ndarray:
         """The request's token ids as one int64 array, converted from vLLM's list once per request.
@@ -112,9 +130,10 @@ class SchedulerHalf:
     """Implements the scheduler-side methods of `KVConnectorBase_V1` for `LMCacheConnector`."""
 
     def __init__(self, config: LMCacheConfig, *, block_size: int, lookup_client: LookupClient, can_load: bool,
-                 can_save: bool, request_keys: RequestKeys | None = None):
+                 can_save: bool, request_keys: RequestKeys | None = None, pd: PDScheduler | None = None):
         """`config` gives chunk_size, save_unfull_chunk, save_decode_cache, enable_async_loading and
-        min_retrieve_tokens; `can_load` / `can_save` come from vLLM's kv_role."""
+        min_retrieve_tokens; `can_load` / `can_save` come from vLLM's kv_role; `pd` answers vLLM's
+        kv_transfer_params (None: they are ignored)."""
         if block_size <= 0:
             raise ValueError(f"block_size ({block_size}) must be positive")
         self.chunk_size = chunk_size = config.chunk_size
@@ -133,9 +152,17 @@ class SchedulerHalf:
         self._async_loads: list[tuple[RequestTracker, _PendingLoad]] = []
         self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
         self._delayed_free: list[str] = []  # finished with saves: vLLM frees them on finished_sending
+        self.pd = pd  # disaggregated prefill (None: kv_transfer_params are ignored)
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.pd is not None and wants_remote_prefill(request.kv_transfer_params):
+            tracker = self._tracker(request)
+            if tracker.remote_open and tracker.remote is not None:
+                # Everything the prefill instance computed beyond vLLM's own hit, pulled asynchronously.
+                tracker.remote_computed = num_computed_tokens
+                n = min(tracker.remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+                return (n, True) if n > 0 else (0, False)
         if not self.can_load:
             return 0, False
         num_tokens = request.num_tokens
@@ -176,6 +203,9 @@ class SchedulerHalf:
         lookup = self._lookups.pop(request.request_id, None)
         tracker.pending_load = None
         tracker.hit_sources = {}
+        if tracker.remote_open:
+            self._plan_pull(tracker, blocks, num_external_tokens)
+            return
         if num_external_tokens <= 0 or lookup is None:
             if lookup is not None and lookup.answer.hit_tokens:
                 self._unheld.append(request.request_id)
@@ -197,6 +227,23 @@ class SchedulerHalf:
         else:
             tracker.pending_load = load
 
+    def _plan_pull(self, tracker: RequestTracker, blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """A remote prefill: load what vLLM allocated for from the prefill instance (once per request)."""
+        remote = tracker.remote
+        tracker.remote_open = False
+        if remote is None or self.pd is None:
+            return
+        if num_external_tokens <= 0:  # vLLM's own prefix cache had it all, or it chose not to load
+            self.pd.done_with(remote)
+            return
+        start = tracker.remote_computed
+        load = _PendingLoad(min(remote.num_tokens, tracker.prompt_len), start, start + num_external_tokens)
+        tracker.peer_load = peer_spec(remote)
+        tracker.hit_sources = {Tier.PEER: num_external_tokens}
+        metrics.inc("hit_tokens", num_external_tokens, tier=Tier.PEER)
+        tracker.block_ids = list(blocks.get_block_ids()[0])
+        self._async_loads.append((tracker, load))
+
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """Tokens of the request's planned load by tier name (`unknown` where the lookup did not say)."""
         tracker = self._trackers.get(request_id)
@@ -208,6 +255,8 @@ class SchedulerHalf:
                                         delayed_free_req_ids=self._delayed_free,
                                         preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()))
         self._unheld, self._delayed_free = [], []
+        if self.pd is not None:
+            self.pd.take_into(meta)
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for tracker, load in self._async_loads:
@@ -222,8 +271,9 @@ class SchedulerHalf:
                 continue
             tracker.block_ids = list(new_req.block_ids[0])
             self._emit_load(tracker, meta)
-            self._emit_save(tracker, new_req.num_computed_tokens,
-                            new_req.num_computed_tokens + num_scheduled.get(new_req.req_id, 0), meta)
+            kv_end = new_req.num_computed_tokens + num_scheduled.get(new_req.req_id, 0)
+            self._emit_save(tracker, new_req.num_computed_tokens, kv_end, meta)
+            self._emit_hold(tracker, kv_end, meta)
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -239,17 +289,26 @@ class SchedulerHalf:
                 tracker.block_ids.extend(new_blocks[0])
             computed = cached.num_computed_tokens[i]
             self._emit_save(tracker, computed, computed + num_scheduled.get(req_id, 0), meta)
+            self._emit_hold(tracker, computed + num_scheduled.get(req_id, 0), meta)
         return meta
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         tracker = self._trackers.get(request.request_id)
         self._forget(request.request_id)
+        params = None
+        if self.pd is not None:
+            if tracker is None:  # e.g. refused by the API server before it was ever scheduled
+                self.pd.abandoned(request)
+            elif tracker.remote_open and tracker.remote is not None:
+                self.pd.done_with(tracker.remote)  # ended before its pull was planned
+            elif tracker.holds_for_peer:
+                params = self.pd.finished(request, tracker.hold_emitted)
         if tracker is None or not tracker.saves_emitted:
-            return False, None
+            return False, params
         # A save of it may still be copying from its blocks on a worker's save thread: vLLM keeps them
         # until every worker reports it in finished_sending (saves.py).
         self._delayed_free.append(request.request_id)
-        return True, None
+        return True, params
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request: "Request") -> RequestTracker:
@@ -258,6 +317,11 @@ class SchedulerHalf:
         tracker = self._trackers.get(request.request_id)
         if tracker is None or tracker.request is not request:
             tracker = self._trackers[request.request_id] = self._new_tracker(request)
+            if self.pd is not None:
+                cacheable = tracker.extra is not None
+                tracker.holds_for_peer = self.pd.should_hold(request, cacheable)
+                tracker.remote = self.pd.remote_prefill(request, cacheable)
+                tracker.remote_open = tracker.remote is not None
         return tracker
 
     def _new_tracker(self, request: "Request") -> RequestTracker:
@@ -303,7 +367,8 @@ class SchedulerHalf:
         meta.loads.append(LoadSpec(
             req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len), extra=tracker.extra,
             block_ids=tracker.block_ids[:ceil_to(load.fetch_len, self.block_size) // self.block_size],
-            skip_leading=load.skip_leading, load_end=load.load_end, is_async=is_async))
+            skip_leading=load.skip_leading, load_end=load.load_end, is_async=is_async, peer=tracker.peer_load))
+        tracker.peer_load = None
         # Whole chunks we just loaded are stored already: no need to save them again.
         tracker.saved_end = max(tracker.saved_end, floor_to(load.load_end, self.chunk_size))
         metrics.inc("load_requests")
@@ -318,10 +383,12 @@ class SchedulerHalf:
         if computed_before < tracker.saved_end:
             # vLLM rolled the request back (failed load): what we thought saved may not be.
             tracker.saved_end = floor_to(computed_before, self.chunk_size)
+            tracker.hold_emitted = False  # the workers skipped it: held again once the prompt is recomputed
         limit = len(tracker.request.all_token_ids) if self.save_decode_cache else tracker.prompt_len
         end = min(kv_end, limit)
         is_last = end >= tracker.prompt_len
-        if not (is_last and end == tracker.prompt_len and self.save_unfull_chunk):
+        unfull = self.save_unfull_chunk or tracker.holds_for_peer  # a decode instance pulls all of the prompt
+        if not (is_last and end == tracker.prompt_len and unfull):
             end = floor_to(end, self.chunk_size)
         if end <= tracker.saved_end:
             return
@@ -334,5 +401,13 @@ class SchedulerHalf:
         tracker.saves_emitted += 1
         meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end), extra=tracker.extra,
                                    block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
-                                   is_last=is_last))
+                                   is_last=is_last, for_peer=tracker.holds_for_peer))
         tracker.saved_end = end
+
+    def _emit_hold(self, tracker: RequestTracker, kv_end: int, meta: LMCacheConnectorMetadata) -> None:
+        """Prefill side: once the prompt's KV exists (this step), its chunks are held for the decode
+        instance; the workers register the hold in this step, before vLLM can answer the request."""
+        if tracker.holds_for_peer and not tracker.hold_emitted and kv_end >= tracker.prompt_len:
+            tracker.hold_emitted = True
+            meta.peer_holds.append(PeerHoldSpec(tracker.req_id, tracker.token_ids(tracker.prompt_len),
+                                                tracker.extra))

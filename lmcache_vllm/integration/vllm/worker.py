@@ -8,6 +8,10 @@ promises until the load takes them. The methods below are vLLM's worker-side con
 order of a step: `handle_preemptions`, `begin_step`, `start_load_kv`, `wait_for_layer_load` /
 `save_kv_layer` per layer, `wait_for_save`, `get_finished`, `take_load_errors`.
 
+Disaggregated prefill (`pd/worker.py`): the holds of a prefill instance are registered, and the holds to
+drop and the releases of a decode instance sent, in `wait_for_save` (every step, empty ones included); an
+asynchronous load naming a prefill instance pulls from it first (`loads.RequestLoads`).
+
 A lookup waits for pending saves that share its first chunk, so a prompt sent right after another still
 finds what that one stored. `pause` / `resume` (vLLM 0.33's unregister / restore of the KV cache) stop
 every copy while vLLM has released the cache. Every failure is logged and turned into a miss; none
@@ -29,6 +33,7 @@ from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
+    from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +45,14 @@ class WorkerHalf:
     `blocking_timeout_secs`); `engine_factory(kv_caches: dict[layer name, Tensor])` builds the engine once
     the KV cache tensors exist; `lookup_address` is where this rank serves lookups (None: no server);
     `failure_agreement(failed per load) -> failed on any rank per load` (identity without TP);
-    `durable_saves`: a PD producer's saves wait until they are in every lower tier.
+    `durable_saves`: a PD producer's saves wait until they are in every lower tier;
+    `peer_factory(engine)`: this rank's disaggregated-prefill part (None: kv_transfer_params are ignored).
     """
 
     def __init__(self, config: LMCacheConfig, *, engine_factory: Callable[[dict[str, torch.Tensor]], CacheEngine],
                  block_size: int, lookup_address: str | None, max_lookup_tokens: int = 1 << 20,
-                 failure_agreement: FailureAgreement | None = None, durable_saves: bool = False):
+                 failure_agreement: FailureAgreement | None = None, durable_saves: bool = False,
+                 peer_factory: Callable[[CacheEngine], PeerTransfer] | None = None):
         self.config = config
         self._engine_factory = engine_factory
         self.block_size = block_size
@@ -53,6 +60,8 @@ class WorkerHalf:
         self.max_lookup_tokens = max_lookup_tokens
         self._failure_agreement = failure_agreement
         self.durable_saves = durable_saves
+        self._peer_factory = peer_factory
+        self.pd: PeerTransfer | None = None
         self.engine: CacheEngine | None = None
         self.load: LoadPipeline | None = None
         self.save: SavePipeline | None = None
@@ -69,9 +78,11 @@ class WorkerHalf:
         from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
         engine = self.engine = self._engine_factory(kv_caches)
         config = self.config
+        self.pd = self._peer_factory(engine) if self._peer_factory is not None else None
         self.load = LoadPipeline(engine, self.kv_caches, self.layer_index, block_size=self.block_size,
                                  use_layerwise=config.use_layerwise, timeout_s=config.blocking_timeout_secs,
-                                 failure_agreement=self._failure_agreement)
+                                 failure_agreement=self._failure_agreement,
+                                 open_peer=self.pd.open_peer if self.pd is not None else None)
         self.save = SavePipeline(engine, self.kv_caches, SideStream(self.kv_caches[0].device),
                                  block_size=self.block_size, use_layerwise=config.use_layerwise,
                                  async_save=config.extra_config.async_save, durable=self.durable_saves,
@@ -80,7 +91,8 @@ class WorkerHalf:
             self.lookup_server = LookupServer(self.lookup_address, self._lookup,
                                               max_tokens=self.max_lookup_tokens, commands={
                 "reset_l1": lambda: self._reset(lower_tiers=False),
-                "reset_all": lambda: self._reset(lower_tiers=True)})
+                "reset_all": lambda: self._reset(lower_tiers=True),
+                "pd_port": lambda: self.pd.port if self.pd is not None else -1})
         logger.debug("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                      engine.layout, self.lookup_address)
 
@@ -126,6 +138,9 @@ class WorkerHalf:
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
+        if self.pd is not None:
+            self.pd.close()
+            self.pd = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -157,11 +172,16 @@ class WorkerHalf:
             self.save.save_layer(meta, layer, self.load.failed)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
+        if self.pd is not None:
+            self.pd.unhold(meta.peer_unholds)
+            self.pd.release(meta.peer_releases)
         if self.save is None or self.load is None or self._paused:
             return
         self.load.finish_layers()
         self.load.agree(meta)
         self.save.wait_for_save(meta, self.load.failed)
+        if self.pd is not None and meta.peer_holds:
+            self.pd.hold(meta.peer_holds, self.save.queue, self.load.failed)
 
     def get_finished(self, meta: LMCacheConnectorMetadata | None,
                      finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -1,0 +1,2 @@
+"""Disaggregated prefill and decode with vLLM's kv_transfer_params (docs/DISAGGREGATED.md): the params
+(`params.py`), the scheduler side (`scheduler.py`) and the worker side (`worker.py`)."""

@@ -1,0 +1,139 @@
+"""The scheduler half's part of disaggregated prefill (docs/DISAGGREGATED.md), per request:
+
+- Prefill side (`do_remote_decode`): the request holds (`should_hold`: a saving role and keys for it); in the
+  step its prompt completes the scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts
+  into the answer (P's address, every TP rank's transfer port, asked from the workers once) or, for an
+  aborted request, drops the hold.
+- Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
+  pulls (a loading role, keys for the request, the same TP and chunk size, lmcache-vllm params); a refusal
+  is logged once per reason with what to change, counted in `pd_pull_failures{reason}`, and the prefill
+  instance is told at once (RELEASE) so its hold does not wait for its lease. `done_with` tells it when
+  this instance will not pull after all (nothing left to pull, the request ended first).
+The releases and dropped holds reach the workers with the next step's metadata (`take_into`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PeerSpec
+from lmcache_vllm.integration.vllm.pd.params import (PDRefusal, RemotePrefill, check_compatible,
+                                                     parse_remote_prefill, prefill_params, wants_remote_decode,
+                                                     wants_remote_prefill)
+from lmcache_vllm.observability import metrics
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_ANSWERED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # statuses of a prefill that produced its token
+
+
+def peer_spec(remote: RemotePrefill) -> PeerSpec:
+    return PeerSpec(remote.req_id, remote.host, remote.ports)
+
+
+class PDScheduler:
+    """See the module docstring. `ask_ports()` asks the workers for their transfer ports (None: no answer)."""
+
+    def __init__(self, *, engine_id: str, host: str, chunk_size: int, tp_size: int,
+                 ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool):
+        self.engine_id = engine_id
+        self.host = host
+        self.chunk_size = chunk_size
+        self.tp_size = tp_size
+        self._ask_ports = ask_ports
+        self.can_load = can_load
+        self.can_save = can_save
+        self._ports: list[int] | None = None
+        self._warned: set[str] = set()
+        self._releases: list[PeerSpec] = []
+        self._unholds: list[str] = []
+
+    def _warn_once(self, reason: str, message: str, *args: object) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(message + " (logged once per reason; counted in pd_pull_failures)", *args)
+
+    # ------------------------------------------------------------------ prefill side
+    def should_hold(self, request: "Request", cacheable: bool) -> bool:
+        if not wants_remote_decode(request.kv_transfer_params):
+            return False
+        if not self.can_save or not cacheable:
+            self._warn_once("cannot_hold", "request %s asks for a remote decode, but this instance %s: it "
+                            "answers without kv_transfer_params and the decode instance recomputes the prompt",
+                            request.request_id, "does not save (kv_consumer)" if not self.can_save else
+                            "cannot name its KV in keys (see uncacheable_requests)")
+            return False
+        return True
+
+    def ports(self) -> list[int] | None:
+        """Every rank's transfer port, asked from the workers once (again after a failed ask)."""
+        if self._ports is None:
+            ports = self._ask_ports()
+            if ports and all(0 < p < 65536 for p in ports):
+                self._ports = list(ports)
+        return self._ports
+
+    def finished(self, request: "Request", hold_emitted: bool) -> dict[str, Any] | None:
+        """The params of a finished request that holds (None: no hold to name; it is dropped)."""
+        if not hold_emitted:
+            return None
+        ports = self.ports() if request.status.name in _ANSWERED else None
+        if ports is None:
+            self._unholds.append(request.request_id)
+            if request.status.name in _ANSWERED:
+                self._warn_once("no_ports", "request %s: the workers did not say their KV transfer ports; "
+                                "answered without kv_transfer_params", request.request_id)
+            return None
+        metrics.inc("pd_prefill_requests")
+        return prefill_params(engine_id=self.engine_id, req_id=request.request_id, host=self.host, ports=ports,
+                              num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------ decode side
+    def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:
+        """Where to pull `request`'s KV from, or None (not asked for, or refused: then recomputed here)."""
+        params = request.kv_transfer_params
+        if params is None or not wants_remote_prefill(params):
+            return None
+        try:
+            remote = parse_remote_prefill(params)
+        except PDRefusal as refusal:
+            self._refused(request, refusal)
+            return None
+        try:
+            check_compatible(remote, tp_size=self.tp_size, chunk_size=self.chunk_size)
+            if not self.can_load:
+                raise PDRefusal("role", "this instance does not load (kv_producer)")
+            if not cacheable:
+                raise PDRefusal("uncacheable", "the request's KV cannot be named in keys here (see "
+                                               "uncacheable_requests)")
+        except PDRefusal as refusal:
+            self._refused(request, refusal)
+            self.done_with(remote)
+            return None
+        return remote
+
+    def _refused(self, request: "Request", refusal: PDRefusal) -> None:
+        metrics.inc("pd_pull_failures", reason=refusal.reason)
+        self._warn_once(refusal.reason, "request %s: KV of its remote prefill not pulled, the prompt is "
+                        "recomputed here: %s", request.request_id, refusal)
+
+    def abandoned(self, request: "Request") -> None:
+        """A request that asked for a remote prefill ended before it was looked at (vLLM's API server
+        refused it): the prefill instance may drop its hold."""
+        params = request.kv_transfer_params
+        if params is not None and wants_remote_prefill(params):
+            try:
+                self.done_with(parse_remote_prefill(params))
+            except PDRefusal:
+                pass  # no address to tell
+
+    def done_with(self, remote: RemotePrefill) -> None:
+        """This instance will not pull `remote` after all: the prefill instance may drop its hold."""
+        self._releases.append(peer_spec(remote))
+
+    def take_into(self, meta: LMCacheConnectorMetadata) -> None:
+        meta.peer_releases, self._releases = self._releases, []
+        meta.peer_unholds, self._unholds = self._unholds, []

@@ -1,0 +1,189 @@
+"""Fuzz tests (`pytest -m fuzz`) of the disaggregated-prefill transfer, over real ZMQ sockets, both ends:
+
+- the prefill side: whatever frames reach a transfer server, it answers with well-formed replies (or
+  nothing), stays up, and still serves a real pull afterwards with its hold untouched;
+- the decode side: whatever a prefill instance sends back to a PULL — valid chunks, then random frames, a
+  damaged or truncated chunk, another key or index, an early END or an ERR — `PeerTier.get_many` returns
+  a prefix of verified, bit-exact chunks, counts a pull failure when it is short (the rest is recomputed),
+  and leaves nothing allocated.
+
+Derandomized (tests/fuzzing.py's `ci` profile), so CI runs the same examples each time.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from fuzzing import bounded_run, examples
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage import peer_wire as wire
+from lmcache_vllm.storage.peer import PeerSource, PeerTier
+from lmcache_vllm.storage.peer_holds import PeerHolds
+from lmcache_vllm.storage.peer_server import TransferServer
+
+pytestmark = pytest.mark.fuzz
+
+SHAPE = (2, 2, 8, 16)
+FAILURE_REASONS = ("timeout", "refused", "missing", "corrupt", "no_memory")
+_TOKENS = [wire.PROTOCOL, wire.PULL, wire.RELEASE, wire.CHUNK, wire.END, wire.ERR, b"", b"\x00\x00\x00\x00",
+           b"\x01\x00\x00\x00", b"\xff" * 4, b"probe"]
+_frame = st.one_of(st.binary(max_size=64), st.sampled_from(_TOKENS))
+
+
+def key(i: int) -> str:
+    return f"m@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}"
+
+
+def tensor(i: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+
+
+def failures() -> float:
+    return sum(metrics.value("pd_pull_failures", reason=r) for r in FAILURE_REASONS)
+
+
+@examples(500)
+@given(frames=st.lists(_frame, max_size=8))
+def test_request_parser_takes_any_frames(frames):
+    try:
+        request = wire.parse_request(frames)
+    except wire.PeerProtocolError:
+        return
+    assert request.op in (wire.PULL, wire.RELEASE) and request.req_id
+
+
+def test_transfer_server_answers_garbage_and_still_serves():
+    arena = HostAllocator(1 << 22)
+    holds = PeerHolds(60.0)
+    server = TransferServer(holds, host="127.0.0.1", port=0, unknown_grace_s=0.05)
+    tensors = [tensor(i) for i in range(3)]
+    objs = []
+    for t in tensors:
+        obj = arena.allocate(t.shape, t.dtype)
+        obj.tensor.copy_(t)
+        objs.append(obj)
+    holds.expect("probe-request")
+    assert holds.fill("probe-request", [key(i) for i in range(3)], objs)
+    ctx = zmq.Context.instance()
+
+    @examples(300)
+    @given(messages=st.lists(st.lists(_frame, min_size=1, max_size=7), min_size=1, max_size=4))
+    def send_garbage(messages):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{server.port}")
+        try:
+            for frames in messages:
+                dealer.send_multipart(frames)
+            while dealer.poll(20):  # what it answers is a reply of the protocol
+                wire.parse_reply(dealer.recv_multipart())
+        finally:
+            dealer.close(linger=0)
+
+    try:
+        with bounded_run():
+            send_garbage()
+        assert len(holds) == 1, "garbage ended the real hold"
+        # The server still serves the real request, bit-exact.
+        got_arena = HostAllocator(1 << 22)
+        try:
+            tier = PeerTier(PeerSource("127.0.0.1", server.port, "probe-request"), timeout_s=5.0)
+            got = asyncio.run(tier.get_many([key(i) for i in range(3)], got_arena.allocate))
+            assert all(obj is not None and torch.equal(obj.tensor, t) for obj, t in zip(got, tensors))
+            for obj in got:
+                obj.ref_down()
+            assert got_arena.used_bytes == 0
+        finally:
+            got_arena.close()
+    finally:
+        server.close()
+        holds.close()
+        assert arena.used_bytes == 0  # the hold gave its chunks back
+        arena.close()
+
+
+def _damaged(draw, index: int, t: torch.Tensor) -> list:
+    """A message in place of chunk `index`: random frames, the real chunk with some bytes replaced (in its
+    index, header or payload frame, truncation included), another key or index, an early END, an ERR."""
+    kind = draw(st.sampled_from(["random", "bytes", "other_key", "other_index", "end", "err"]))
+    if kind == "random":
+        return draw(st.lists(_frame, min_size=1, max_size=7))
+    if kind == "other_key":
+        return [bytes(f) for f in wire.chunk_reply(index, key(index + 1000), t)]
+    if kind == "other_index":
+        return [bytes(f) for f in wire.chunk_reply(index + draw(st.integers(1, 3)), key(index), t)]
+    if kind == "end":
+        return wire.end_reply(draw(st.integers(0, 2**32 - 1)))
+    if kind == "err":
+        return wire.error_reply(draw(st.sampled_from(list(wire.ERRORS))), "fuzz")
+    frames = [bytes(f) for f in wire.chunk_reply(index, key(index), t)]
+    part = draw(st.sampled_from([2, 3, 4]))
+    raw = bytearray(frames[part])
+    start = draw(st.integers(0, len(raw)))
+    end = draw(st.integers(start, min(len(raw), start + 64)))
+    raw[start:end] = draw(st.binary(max_size=end - start + 4))
+    frames[part] = bytes(raw)
+    return frames
+
+
+async def _pull_from_scripted_peer(script: list[list], n_keys: int, alloc) -> list:
+    """A fake prefill instance (ROUTER) that answers the PULL with `script`, and the decode side's pull."""
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def peer():
+        identity, *_ = await router.recv_multipart()
+        for message in script:
+            await router.send_multipart([identity, *message])
+
+    try:
+        tier = PeerTier(PeerSource("127.0.0.1", port, "r"), timeout_s=5.0)
+        serving = asyncio.ensure_future(peer())
+        got = await tier.get_many([key(i) for i in range(n_keys)], alloc)
+        await asyncio.wait_for(serving, 5.0)
+        return got
+    finally:
+        router.close(linger=0)
+
+
+def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
+    arena = HostAllocator(1 << 22)
+    tensors = [tensor(i) for i in range(4)]
+
+    @examples(250)
+    @given(data=st.data())
+    def pull_once(data):
+        metrics.RECORDER.reset()
+        n_keys = data.draw(st.integers(1, 4))
+        good = data.draw(st.integers(0, n_keys))
+        script = [[bytes(f) for f in wire.chunk_reply(i, key(i), tensors[i])] for i in range(good)]
+        if good < n_keys or data.draw(st.booleans()):
+            script.append(_damaged(data.draw, good, tensors[min(good, n_keys - 1)]))
+        # Whatever follows the damage (a correct rest, then END) must not be taken any more.
+        script += [[bytes(f) for f in wire.chunk_reply(i, key(i), tensors[i])] for i in range(good + 1, n_keys)]
+        script.append(wire.end_reply(n_keys))
+        got = asyncio.run(_pull_from_scripted_peer(script, n_keys, arena.allocate))
+        assert len(got) == n_keys
+        n_got = next((i for i, obj in enumerate(got) if obj is None), n_keys)
+        assert all(obj is None for obj in got[n_got:]), "chunks after a gap"
+        assert n_got >= good
+        for obj, t in zip(got[:n_got], tensors):
+            assert torch.equal(obj.tensor, t), "a chunk that is not bit-exact got through"
+            obj.ref_down()
+        if n_got < n_keys:
+            assert failures() == 1, "a short pull was not counted"
+        assert arena.used_bytes == 0
+
+    try:
+        with bounded_run():
+            pull_once()
+    finally:
+        arena.close()
+

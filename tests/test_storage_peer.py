@@ -1,0 +1,310 @@
+"""The disaggregated-prefill transfer with real sockets: a prefill side (`PeerHolds` + `TransferServer` over
+its own arena) and a decode side (`StorageManager.prefetch(keys, peer=PeerTier(...))`), in this process or
+with the prefill side in a child process that is killed mid-transfer. Frames are checked like any tier's
+bytes; garbage, truncation, silence and refusals are counted misses, and holds never leak."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.codec import ChunkMac
+from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.storage.peer import PeerSource, PeerTier, send_release
+from lmcache_vllm.storage.peer_holds import PeerHolds
+from lmcache_vllm.storage.peer_server import TransferServer
+
+CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def key(i: int, model: str = "m") -> str:
+    return f"{model}@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}"
+
+
+def d_config(**kw) -> LMCacheConfig:
+    kw.setdefault("max_local_cpu_size", 32 * MiB / (1 << 30))
+    return LMCacheConfig(blocking_timeout_secs=5.0, extra_config={"close_drain_secs": 1.0}, **kw)
+
+
+class Prefill:
+    """The prefill side: an arena, holds and a transfer server on loopback."""
+
+    def __init__(self, lease_s: float = 30.0, mac: ChunkMac | None = None, grace_s: float = 0.2):
+        self.arena = HostAllocator(32 * MiB)
+        self.holds = PeerHolds(lease_s)
+        self.server = TransferServer(self.holds, host="127.0.0.1", port=0, mac=mac, unknown_grace_s=grace_s)
+
+    def hold(self, req_id: str, tensors: list[torch.Tensor], keys: list[str] | None = None) -> list[str]:
+        keys = keys or [key(i) for i in range(len(tensors))]
+        objs = []
+        for t in tensors:
+            obj = self.arena.allocate(t.shape, t.dtype)
+            obj.tensor.copy_(t)
+            objs.append(obj)
+        self.holds.expect(req_id)
+        assert self.holds.fill(req_id, keys, objs)
+        return keys
+
+    def source(self, req_id: str) -> PeerSource:
+        return PeerSource("127.0.0.1", self.server.port, req_id)
+
+    def close(self) -> None:
+        self.server.close()
+        self.holds.close()
+        assert self.arena.used_bytes == 0  # every held chunk went back
+        self.arena.close()
+
+
+@pytest.fixture
+def prefill():
+    side = Prefill()
+    yield side
+    side.close()
+
+
+def pull(mgr: StorageManager, keys: list[str], source: PeerSource, timeout_s: float = 2.0,
+         mac: ChunkMac | None = None):
+    """The decode side's prefetch with the peer in front; returns the chunks it holds (refs for the caller)."""
+    handle = mgr.prefetch(keys, peer=PeerTier(source, timeout_s=timeout_s, mac=mac))
+    handle.wait(20)
+    return mgr.get(keys, owner=handle.owner, lower_tiers=False)
+
+
+def assert_chunks(objs, tensors) -> None:
+    assert len(objs) == len(tensors)
+    for obj, t in zip(objs, tensors):
+        assert torch.equal(obj.tensor, t)
+        obj.ref_down()
+
+
+def wait_until(check, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()
+
+
+def test_pull_brings_every_held_chunk_verified_and_releases_the_hold(prefill, make_chunk):
+    tensors = [make_chunk(i, CHUNK) for i in range(3)]
+    keys = prefill.hold("r1", tensors)
+    assert metrics.value("pd_holds") == 1
+    with StorageManager(d_config()) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r1")), tensors)
+        assert mgr.contains(keys) == [True] * 3  # promoted into the decode side's L1
+    assert wait_until(lambda: len(prefill.holds) == 0)  # the pull's RELEASE ended the hold
+    label = f"127.0.0.1:{prefill.server.port}"
+    assert metrics.value("pd_pulled_chunks", peer=label) == 3
+    assert metrics.value("pd_pulled_bytes", peer=label) == 3 * tensors[0].numel() * 2
+    assert metrics.value("pd_pull_seconds", peer=label) == 1
+    assert metrics.value("chunk_hits", tier="peer") == 3
+    assert metrics.value("pd_served_chunks") == 3
+    assert metrics.value("pd_holds_released") == 1
+    assert metrics.value("pd_holds") == 0
+    assert metrics.value("pd_pull_failures", reason="missing") == 0
+
+
+def test_pull_waits_for_a_hold_whose_saves_are_not_over(prefill, make_chunk):
+    tensors = [make_chunk(i, CHUNK) for i in range(2)]
+    keys = [key(i) for i in range(2)]
+    prefill.holds.expect("r2")
+    objs = []
+    for t in tensors:
+        obj = prefill.arena.allocate(t.shape, t.dtype)
+        obj.tensor.copy_(t)
+        objs.append(obj)
+    threading.Timer(0.3, prefill.holds.fill, ("r2", keys, objs)).start()
+    with StorageManager(d_config()) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r2")), tensors)
+
+
+def test_a_shorter_hold_serves_its_prefix_and_the_rest_comes_from_the_own_disk(prefill, make_chunk, tmp_path):
+    tensors = [make_chunk(i, CHUNK) for i in range(3)]
+    keys = [key(i) for i in range(3)]
+    prefill.hold("r3", tensors[:2], keys[:2])
+    cfg = d_config(local_disk=str(tmp_path), max_local_disk_size=0.01)
+    with StorageManager(cfg) as mgr:  # the third chunk is on this instance's disk only
+        obj = mgr.allocate(CHUNK, torch.bfloat16)
+        obj.tensor.copy_(tensors[2])
+        mgr.put(keys[2], obj)
+        obj.ref_down()
+        assert mgr.flush(5)
+        mgr.clear(lower_tiers=False)
+    with StorageManager(cfg) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r3")), tensors)
+        assert metrics.value("chunk_hits", tier="peer") == 2
+        assert metrics.value("chunk_hits", tier="local_disk") == 1
+    assert metrics.value("pd_pull_failures", reason="missing") == 1
+
+
+@pytest.mark.parametrize("case", ["unknown", "expired", "other_keys"])
+def test_refusals_are_counted_misses_and_say_why(make_chunk, case, caplog):
+    side = Prefill(lease_s=0.3 if case == "expired" else 30.0)
+    try:
+        tensors = [make_chunk(i, CHUNK) for i in range(2)]
+        keys = [key(i) for i in range(2)]
+        if case == "expired":
+            side.holds.expect("r4")  # never filled: the decode instance came too late
+            assert wait_until(lambda: len(side.holds) == 0)
+        elif case == "other_keys":  # e.g. a prefill instance with another TP size or model fingerprint
+            side.hold("r4", tensors, [key(i, model="other") for i in range(2)])
+        with StorageManager(d_config()) as mgr, caplog.at_level("WARNING"):
+            assert pull(mgr, keys, side.source("r4")) == []
+        assert metrics.value("pd_pull_failures", reason="refused") == 1
+        text = caplog.text
+        assert {"unknown": "holds nothing", "expired": "expired", "other_keys": "other keys"}[case] in text
+        if case == "other_keys":
+            assert key(0, model="other") in text and key(0) in text  # both sides' keys, so the cause shows
+        if case == "expired":
+            assert metrics.value("pd_holds_expired") == 1
+    finally:
+        side.close()
+
+
+def test_mac_secrets_must_agree(make_chunk):
+    tensors = [make_chunk(i, CHUNK) for i in range(2)]
+    side = Prefill(mac=ChunkMac("secret"))
+    try:
+        keys = side.hold("a", tensors)
+        side.hold("b", tensors)
+        side.hold("c", tensors)
+        with StorageManager(d_config()) as mgr:
+            assert pull(mgr, keys, side.source("a"), mac=ChunkMac("other")) == []  # refused: auth
+            assert pull(mgr, keys, side.source("b")) == []  # no secret at all
+            assert metrics.value("pd_pull_failures", reason="refused") == 2
+            assert_chunks(pull(mgr, keys, side.source("c"), mac=ChunkMac("secret")), tensors)
+        side.holds.release("a")
+        side.holds.release("b")
+    finally:
+        side.close()
+
+
+def test_chunks_without_our_mac_are_rejected(prefill, make_chunk):
+    """A prefill instance without the secret cannot feed a decode instance that has one."""
+    tensors = [make_chunk(i, CHUNK) for i in range(2)]
+    keys = prefill.hold("r5", tensors)
+    with StorageManager(d_config()) as mgr:
+        assert pull(mgr, keys, prefill.source("r5"), mac=ChunkMac("secret")) == []
+    assert metrics.value("pd_pull_failures", reason="corrupt") == 1
+    assert metrics.value("unauthenticated_chunks") == 1
+
+
+def test_a_silent_peer_is_a_bounded_miss():
+    sock = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the pull and never answers
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with StorageManager(d_config()) as mgr:
+            t0 = time.monotonic()
+            assert pull(mgr, [key(0)], PeerSource("127.0.0.1", port, "r6"), timeout_s=0.5) == []
+            assert time.monotonic() - t0 < 3
+        assert metrics.value("pd_pull_failures", reason="timeout") == 1
+        # Done with it, the decode side still said so (RELEASE) after the PULL.
+        frames = [sock.recv_multipart(zmq.NOBLOCK)[2] for _ in range(2) if sock.poll(2000)]
+        assert frames == [b"PULL", b"RELEASE"]
+    finally:
+        sock.close(linger=0)
+
+
+def test_the_server_survives_garbage_and_answers_it(prefill, make_chunk):
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{prefill.server.port}")
+    try:
+        for garbage in ([b"x"], [b"LMVPD1", b"PULL"], [b"LMVPD1", b"PULL", b"", b"k", b""],
+                        [b"LMVPD1", b"PULL", b"r", b"\xff\xfe", b""], [b"LMVPD1", b"NOPE", b"r", b"k", b""]):
+            dealer.send_multipart(garbage)
+            assert dealer.poll(2000)
+            reply = dealer.recv_multipart()
+            assert reply[:3] == [b"LMVPD1", b"ERR", b"bad_request"]
+    finally:
+        dealer.close(linger=0)
+    tensors = [make_chunk(0, CHUNK)]
+    keys = prefill.hold("r7", tensors)
+    with StorageManager(d_config()) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r7")), tensors)
+
+
+def test_release_ends_a_hold_nobody_pulled(prefill, make_chunk):
+    prefill.hold("r8", [make_chunk(0, CHUNK)])
+    send_release(prefill.source("r8"))
+    assert wait_until(lambda: len(prefill.holds) == 0)
+    assert metrics.value("pd_holds_released") == 1
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from lmcache_vllm.memory import HostAllocator
+    from lmcache_vllm.storage.peer_holds import PeerHolds
+    from lmcache_vllm.storage.peer_server import TransferServer
+    n, shape = int(sys.argv[1]), (8, 2, 256, 512)  # 8 MiB of bf16 per chunk
+    arena = HostAllocator(n * 8 * (1 << 20) + (1 << 20))
+    holds = PeerHolds(60.0)
+    objs = []
+    for i in range(n):
+        obj = arena.allocate(shape, torch.bfloat16)
+        obj.tensor.fill_(i)
+        objs.append(obj)
+    holds.expect("big")
+    holds.fill("big", [f"m@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}" for i in range(n)], objs)
+    server = TransferServer(holds, host="127.0.0.1", port=0)
+    print(server.port, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_prefill_killed_mid_transfer_leaves_a_prefix_and_a_bounded_wait(tmp_path):
+    n = 24
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(n)], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        port = int(child.stdout.readline())
+        cfg = d_config(max_local_cpu_size=(n * 8 + 8) * MiB / (1 << 30))
+        with StorageManager(cfg) as mgr:
+            first = threading.Event()
+            real_alloc = mgr.l1.try_allocate
+
+            def alloc(shape, dtype):  # the decode side's allocator, watched: the first chunk has arrived
+                first.set()
+                return real_alloc(shape, dtype)
+
+            mgr.l1.try_allocate = alloc
+            killer = threading.Thread(target=lambda: first.wait(30) and child.kill())
+            killer.start()
+            t0 = time.monotonic()
+            keys = [key(i) for i in range(n)]
+            objs = pull(mgr, keys, PeerSource("127.0.0.1", port, "big"), timeout_s=1.0)
+            elapsed = time.monotonic() - t0
+            killer.join()
+            assert 1 <= len(objs) < n  # what arrived before the kill, verified; the rest a miss
+            for i, obj in enumerate(objs):
+                assert bool((obj.tensor == i).all())
+                obj.ref_down()
+            assert elapsed < 10
+        assert metrics.value("pd_pull_failures", reason="timeout") == 1
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_nothing_to_pull_still_releases_the_hold(prefill, make_chunk):
+    tensors = [make_chunk(i, CHUNK) for i in range(2)]
+    keys = prefill.hold("r9", tensors)
+    with StorageManager(d_config()) as mgr:
+        assert_chunks(pull(mgr, keys, prefill.source("r9")), tensors)  # now in this instance's L1
+        prefill.hold("r10", tensors)
+        assert_chunks(pull(mgr, keys, prefill.source("r10")), tensors)  # from L1: the peer is not asked
+    assert wait_until(lambda: len(prefill.holds) == 0)
+    assert metrics.value("pd_served_chunks") == 2

@@ -1,0 +1,138 @@
+"""The disaggregated-prefill wire format (`storage/peer_wire.py`): requests round-trip and carry their MAC;
+whatever bytes arrive as a reply — random frames, a valid chunk truncated or with a flipped byte, another
+key — decode to a verified chunk or raise one of the two errors the reader counts as a miss, and leave
+nothing allocated."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.storage import peer_wire as wire
+from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
+
+KEY = "m@-@tp1.0@pp1.0@bfloat16@v2@" + "ab" * 16
+SHAPE = (2, 2, 16, 64)
+
+
+@pytest.fixture(scope="module")
+def arena():
+    alloc = HostAllocator(1 << 22)
+    yield alloc
+    alloc.close()
+
+
+def alloc_from(arena):
+    return lambda shape, dtype: arena.allocate(shape, dtype)
+
+
+def valid_reply(tensor: torch.Tensor, mac: ChunkMac | None = None, key: str = KEY) -> list[bytes]:
+    return [bytes(f) for f in wire.chunk_reply(0, key, tensor, mac)]
+
+
+def decode(frames, arena, mac=None, key=KEY):
+    return wire.decode_chunk(wire.parse_reply(frames), 0, key, alloc_from(arena), mac)
+
+
+def test_requests_round_trip_with_their_mac():
+    mac = ChunkMac("s")
+    frames = wire.encode_request(wire.PULL, "req-1", [KEY, KEY + "x"], mac)
+    request = wire.parse_request(frames)
+    assert (request.op, request.req_id, request.keys) == (wire.PULL, "req-1", (KEY, KEY + "x"))
+    assert wire.verify_request(request, mac)
+    assert not wire.verify_request(request, ChunkMac("other"))
+    release = wire.parse_request(wire.encode_request(wire.RELEASE, "req-1"))
+    assert release.keys == () and wire.verify_request(release, None) and not wire.verify_request(release, mac)
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"LMVPD1"], [b"LMVPD2", b"PULL", b"r", b"k", b""], [b"LMVPD1", b"PULL", b"r", b"", b""],
+    [b"LMVPD1", b"PULL", b"", b"k", b""], [b"LMVPD1", b"PULL", b"r" * 2000, b"k", b""],
+    [b"LMVPD1", b"PULL", b"r", b"a\n\nb", b""], [b"LMVPD1", b"PULL", b"\xc3", b"k", b""]])
+def test_malformed_requests_are_refused(frames):
+    with pytest.raises(wire.PeerProtocolError):
+        wire.parse_request(frames)
+
+
+def test_a_valid_chunk_decodes_bit_exact(arena, make_chunk):
+    tensor = make_chunk(1, SHAPE)
+    for mac in (None, ChunkMac("s")):
+        obj = decode(valid_reply(tensor, mac), arena, mac)
+        assert torch.equal(obj.tensor, tensor)
+        obj.ref_down()
+    assert arena.used_bytes == 0
+
+
+def test_every_truncation_and_every_flipped_byte_is_rejected(arena, make_chunk):
+    tensor = make_chunk(2, (1, 2, 4, 16))  # small: every position is tried
+    frames = valid_reply(tensor, ChunkMac("s"))
+    header, payload = frames[3], frames[4]
+    for cut in range(len(header)):
+        with pytest.raises((CorruptEntry, wire.PeerProtocolError)):
+            decode(frames[:3] + [header[:cut], payload], arena, ChunkMac("s"))
+    for cut in range(len(payload)):
+        with pytest.raises((CorruptEntry, wire.PeerProtocolError)):
+            decode(frames[:4] + [payload[:cut]], arena, ChunkMac("s"))
+    for part in (3, 4):
+        for pos in range(len(frames[part])):
+            bad = bytearray(frames[part])
+            bad[pos] ^= 0x01
+            mutated = list(frames)
+            mutated[part] = bytes(bad)
+            with pytest.raises((CorruptEntry, wire.PeerProtocolError)):
+                decode(mutated, arena, ChunkMac("s"))
+    assert arena.used_bytes == 0
+
+
+def test_a_chunk_under_another_key_or_out_of_order_is_rejected(arena, make_chunk):
+    tensor = make_chunk(3, SHAPE)
+    with pytest.raises(CorruptEntry):
+        decode(valid_reply(tensor, key=KEY.replace("tp1.0", "tp2.0")), arena)
+    with pytest.raises(wire.PeerProtocolError):
+        wire.decode_chunk(wire.parse_reply(valid_reply(tensor)), 1, KEY, alloc_from(arena))
+    assert arena.used_bytes == 0
+
+
+def test_no_memory_is_none_not_an_error(make_chunk):
+    tensor = make_chunk(4, SHAPE)
+    assert wire.decode_chunk(wire.parse_reply(valid_reply(tensor)), 0, KEY, lambda s, d: None) is None
+
+
+_frame = st.one_of(st.binary(max_size=96), st.sampled_from([b"LMVPD1", b"CHUNK", b"END", b"ERR",
+                                                             b"\x00\x00\x00\x00", b"\x01\x00\x00\x00"]))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(_frame, max_size=7))
+def test_random_replies_never_raise_anything_else(arena, frames):
+    try:
+        reply = wire.parse_reply(frames)
+        if reply.kind == wire.CHUNK:
+            obj = wire.decode_chunk(reply, 0, KEY, alloc_from(arena))
+            if obj is not None:
+                obj.ref_down()
+    except (CorruptEntry, wire.PeerProtocolError):
+        pass
+    assert arena.used_bytes == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_valid_chunks_with_random_damage_are_rejected_or_exact(arena, data):
+    tensor = torch.arange(2 * 2 * 8 * 16, dtype=torch.float32).reshape(2, 2, 8, 16).to(torch.bfloat16)
+    frames = valid_reply(tensor)
+    part = data.draw(st.sampled_from([3, 4]))
+    raw = bytearray(frames[part])
+    start = data.draw(st.integers(0, len(raw)))
+    end = data.draw(st.integers(start, len(raw)))
+    raw[start:end] = data.draw(st.binary(max_size=end - start + 8))
+    frames[part] = bytes(raw)
+    try:
+        obj = decode(frames, arena)
+    except (CorruptEntry, wire.PeerProtocolError):
+        assert arena.used_bytes == 0
+        return
+    assert torch.equal(obj.tensor, tensor)  # only an unchanged chunk gets through
+    obj.ref_down()
