@@ -87,6 +87,15 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "(summed over TP ranks)"),
     _c("stored_tokens", "tokens", "Tokens whose KV was newly stored (counted on TP rank 0)",
        scope="engine"),
+    _c("group_loaded_tokens", "tokens", "Tokens loaded into one KV cache group of a model with several "
+       "(hybrid: full attention, sliding window, Mamba state); a sliding group loads only the window before the "
+       "hit's end (counted on TP rank 0)", ("group",), scope="engine"),
+    _c("group_stored_tokens", "tokens", "Tokens newly stored for one KV cache group of a model with several "
+       "(a state group: one state per chunk boundary counts as the chunk's tokens; counted on TP rank 0)",
+       ("group",), scope="engine"),
+    _c("group_limited_hits", "requests", "Lookups whose hit a KV cache group cut short: the full-attention "
+       "chunks ran further than this group's chunks (sliding window) or states allowed", ("group",),
+       scope="engine"),
     _c("store_skipped_tokens", "tokens", "Tokens handed to a store whose chunks were stored already",
        scope="engine"),
     _c("failed_stores", "requests", "Stores of a request that failed with an error; its chunks stay "

@@ -84,7 +84,7 @@ class LoadPipeline:
             held = self.requests.take(spec.req_id)
             if held is not None and not held.ready():
                 # Async loading is off and the hit needs a slower tier: wait (bounded) for its reads.
-                held.handle.wait(self.timeout_s)
+                held.wait(self.timeout_s)
             with metrics.timed("load_seconds"):
                 self._load(spec, held, self.use_layerwise)
 

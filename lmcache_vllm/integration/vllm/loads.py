@@ -123,7 +123,7 @@ class RequestLoads:
         with self._lock:
             self._async[spec.req_id] = job
         if held is not None:
-            held.handle.add_done_callback(self._progress.set)
+            held.add_done_callback(self._progress.set)
 
     def pending_async(self) -> int:
         with self._lock:

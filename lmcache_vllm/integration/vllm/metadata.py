@@ -5,7 +5,12 @@ tensor parallelism), so it holds plain ints, lists and numpy arrays only (token 
 per request, shared by its specs as views, so hashing and `torch.as_tensor` never copy them) and the
 request's `ExtraKeys` (frozen bytes; None only where nothing is cached). Per request it carries at most one
 `LoadSpec` (copy a cached prefix into the paged KV cache before the forward, or asynchronously while
-the request waits) and one `SaveSpec` (copy freshly computed KV out of the paged cache after it).
+the request waits) and one `SaveSpec` (copy freshly computed KV out of the paged cache after it; a second
+one may carry only states of a multi-group model).
+
+Block ids: a model with one KV cache group has them in `block_ids`; a model with several (hybrid: sliding
+window, Mamba) has every group's whole table in `group_block_ids` (vLLM's group order, null blocks as 0)
+and `block_ids` empty (`groups.py` maps them).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class LoadSpec:
     load_end: int
     extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
     is_async: bool = False
+    group_block_ids: tuple[list[int], ...] = ()  # multi-group models: every group's block table
 
 
 @dataclass
@@ -65,6 +71,8 @@ class SaveSpec:
     skip_leading: int
     is_last: bool = False
     extra: ExtraKeys | None = None
+    group_block_ids: tuple[list[int], ...] = ()  # multi-group models: every group's block table
+    states: list[tuple[int, int, int]] = field(default_factory=list)  # (group, block, boundary) to store
 
     @property
     def num_tokens(self) -> int:
