@@ -18,7 +18,6 @@ neither wanted nor stored) or, for a state group, (boundary, block) pairs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.engine import CacheEngine, HeldPrefix, PrefixHit
 from lmcache_vllm.extra_keys import ExtraKeys
-from lmcache_vllm.kv_groups import GroupKind, KVGroup
+from lmcache_vllm.kv_groups import GroupKind, GroupSlots, KVGroup
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.state_engine import StateEngine
 from lmcache_vllm.storage.manager import StorageManager
@@ -34,17 +33,6 @@ from lmcache_vllm.storage.tier import TIER_NAMES
 from lmcache_vllm.tokens import KeyBuilder, TokenIds
 
 GroupEngine = CacheEngine | StateEngine
-
-
-@dataclass
-class GroupSlots:
-    """One group's part of a load or save: token slots and the tokens wanted (attention groups), or the
-    states as (boundary, block) pairs (state groups)."""
-
-    slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    states: list[tuple[int, int]] = field(default_factory=list)
-    complete: bool = True  # False: vLLM lacks a block this part needs (the load fails, nothing guessed)
 
 
 def _remaining(deadline: float | None) -> float | None:

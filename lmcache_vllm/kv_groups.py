@@ -10,6 +10,8 @@ A model whose layers are of several kinds has one KV cache group per kind in vLL
 - `state` (Mamba, linear attention) keeps one recurrent state per prefix boundary, in the block at index
   `n / block_size - 1`. A hit of n needs the state at n: n must be a boundary a state was stored at.
 
+`GroupSlots` is one group's part of a load or save (`grouped_engine.py` moves it).
+
 `KVGroup.tag` names a group in its chunks' keys (`tokens.CacheKey.group`): the kind, the window and the
 model's layer indices, e.g. `full.l0.2`, `swa384.l1.3`, `state.l0.2`. A model with a single group uses no
 tag at all (its keys are those of a model without groups).
@@ -17,8 +19,9 @@ tag at all (its keys are those of a model without groups).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import xxhash
 
 _MAX_LAYER_PART = 40  # longer layer lists are named by count and hash (keys stay short enough for files)
@@ -99,3 +102,14 @@ class KVGroup:
 def anchor_groups(groups: tuple[KVGroup, ...] | list[KVGroup]) -> list[KVGroup]:
     """The groups whose chunks form a prefix from the start (full attention)."""
     return [g for g in groups if g.kind == GroupKind.FULL]
+
+
+@dataclass
+class GroupSlots:
+    """One group's part of a load or save: token slots and the tokens wanted (attention groups), or the
+    states as (boundary, block) pairs (state groups)."""
+
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    states: list[tuple[int, int]] = field(default_factory=list)
+    complete: bool = True  # False: vLLM lacks a block this part needs (the load fails, nothing guessed)

@@ -75,7 +75,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "the tier holding them (counted once per scheduled load)", _T, scope="engine"),
     _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
     _c("async_load_requests", "requests", "Loads planned asynchronously: the hit needed the disk or Redis "
-       "tier, so the request waited (WAITING_FOR_REMOTE_KVS) while vLLM ran the others", scope="engine"),
+       "tier (or the model has several KV cache groups), so the request waited (WAITING_FOR_REMOTE_KVS) while "
+       "vLLM ran the others", scope="engine"),
     _c("pending_lookups", "requests", "Lookups answered 'ask again' because a slower tier had not said "
        "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
     _c("retrieves_below_minimum", "requests", "Hits not loaded because they would load fewer new tokens "

@@ -26,6 +26,7 @@ from lmcache_vllm.integration.vllm.metadata import LoadSpec
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
+    from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ IDLE_STEP_WAIT_S = 0.01
 
 @dataclass
 class _Lookup:
-    held: HeldPrefix
+    held: HeldPrefix | GroupedHold
     start: int
     num_tokens: int
     created: float
@@ -49,7 +50,7 @@ class _Lookup:
 @dataclass
 class AsyncLoad:
     spec: LoadSpec
-    held: HeldPrefix | None  # None when the lookup's hold is gone
+    held: HeldPrefix | GroupedHold | None  # None when the lookup's hold is gone
     deadline: float
 
 
@@ -57,7 +58,7 @@ class RequestLoads:
     """See the module docstring. Thread-safe: lookups come from the lookup server's thread (or vLLM's
     scheduler thread), loads from the worker's step."""
 
-    def __init__(self, engine: CacheEngine, *, timeout_s: float, hold_s: float):
+    def __init__(self, engine: CacheEngine | GroupedEngine, *, timeout_s: float, hold_s: float):
         self.engine = engine
         self.timeout_s = float(timeout_s)
         self.hold_s = float(hold_s)
