@@ -214,3 +214,20 @@ def test_a_step_starts_only_after_saves_reading_window_blocks_are_over():
     finally:
         release.set()
         worker.shutdown()
+
+
+def test_vllm_keeps_its_hybrid_manager_on_with_our_connector_and_not_with_one_lacking_supports_hma():
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
+
+    model = str(build_model("tiny-swa"))
+
+    def hybrid_manager_off(kv_connector: str, module: str | None = None) -> bool:
+        transfer = KVTransferConfig(kv_connector=kv_connector, kv_connector_module_path=module, kv_role="kv_both")
+        config = VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", max_model_len=2048),
+                            kv_transfer_config=transfer)
+        return bool(config.scheduler_config.disable_hybrid_kv_cache_manager)
+
+    assert not hybrid_manager_off("LMCacheConnector", "lmcache_vllm.integration.vllm")
+    assert hybrid_manager_off("ExampleConnector")  # vLLM's own example connector lacks SupportsHMA
