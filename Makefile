@@ -28,7 +28,8 @@ bench: install
 bench-serving: install
 	$(PY) benchmarks/bench_serving.py $(BENCH_ARGS)
 
-check-cuda:
+# nvcc compile + the kernel source run on the host against the torch path (needs torch and vLLM: installs)
+check-cuda: install
 	bash scripts/check_cuda.sh
 
 clean:

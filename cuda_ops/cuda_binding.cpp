@@ -4,8 +4,9 @@
 // int64 tensor on their device, the chunk [layers, planes, T, heads * D] a CUDA tensor or pinned (registered)
 // host memory, which the kernel reads / writes through its device alias. The copy is enqueued on the current
 // stream and the call returns at once: no host synchronisation, no staging buffer, no allocation after the
-// first call for a set of caches (their device array of layer addresses is kept). Returns "" or an error
-// message; no C++ exception reaches Python (see cpu_ops.cpp).
+// first call for a set of caches (their device array of layer addresses is kept, and kept from reuse until
+// every stream that launched a kernel reading it has passed that kernel). Returns "" or an error message; no
+// C++ exception reaches Python (see cpu_ops.cpp).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,8 +28,12 @@ std::string msg(const Parts&... parts) {
 }
 
 // Device arrays of per-layer base addresses, kept per distinct set of caches (vLLM registers them once, so
-// only the first call for a set copies its array to the device).
-const uint64_t* layer_pointer_array(const std::vector<torch::Tensor>& caches) {
+// only the first call for a set copies its array to the device). The caller gets the array's tensor, not a
+// raw pointer: a reference of its own, so another thread evicting the array from the map cannot free it
+// before the launch; after the launch `transfer` marks it used on the launch stream (record_stream), so the
+// caching allocator hands its memory out again only once that stream has passed the kernel that reads it,
+// whichever stream made the array and whenever the map drops it.
+torch::Tensor layer_pointer_array(const std::vector<torch::Tensor>& caches) {
   static std::mutex mutex;
   static std::map<std::vector<int64_t>, torch::Tensor> arrays;
   std::vector<int64_t> ptrs;
@@ -39,11 +44,12 @@ const uint64_t* layer_pointer_array(const std::vector<torch::Tensor>& caches) {
     if (arrays.size() > 64) arrays.clear();
     it = arrays.emplace(ptrs, torch::tensor(ptrs, torch::dtype(torch::kInt64)).to(caches[0].device())).first;
   }
-  return reinterpret_cast<const uint64_t*>(it->second.data_ptr());
+  return it->second;
 }
 
+// `layer_array` receives the device array of layer addresses the launch reads (undefined for one layer).
 std::string make_args(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
-                      int64_t layout, int64_t block_size, lmc_paged_args& args) {
+                      int64_t layout, int64_t block_size, lmc_paged_args& args, torch::Tensor& layer_array) {
   if (layout != kStrided) return msg("layout code ", layout, " is not the strided views (4)");
   if (caches.empty()) return msg("no KV caches given");
   const auto& c0 = caches[0];
@@ -71,7 +77,10 @@ std::string make_args(const std::vector<torch::Tensor>& caches, const torch::Ten
   args = lmc_paged_args{};
   args.num_layers = static_cast<int64_t>(caches.size());
   if (caches.size() == 1) args.single_layer = reinterpret_cast<uint64_t>(c0.data_ptr());
-  else args.layer_ptrs = layer_pointer_array(caches);
+  else {
+    layer_array = layer_pointer_array(caches);
+    args.layer_ptrs = reinterpret_cast<const uint64_t*>(layer_array.data_ptr());
+  }
   args.bases_or = bases_or;
   args.planes = planes;
   args.heads = heads;
@@ -98,11 +107,15 @@ std::string transfer(bool gather, const std::vector<torch::Tensor>& caches, cons
                      const torch::Tensor& chunk, int64_t layout, int64_t block_size) {
   return lmc_errors::no_throw("_cuda_ops", [&] {
     lmc_paged_args args;
-    std::string error = make_args(caches, slots, chunk, layout, block_size, args);
+    torch::Tensor layer_array;
+    std::string error = make_args(caches, slots, chunk, layout, block_size, args, layer_array);
     if (!error.empty()) return error;
     const c10::cuda::CUDAGuard guard(caches[0].device());
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const int rc = gather ? lmc_paged_gather(&args, stream) : lmc_paged_scatter(&args, stream);
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    const int rc = gather ? lmc_paged_gather(&args, stream.stream()) : lmc_paged_scatter(&args, stream.stream());
+    // The kernel reads the array when the stream gets to it: not before, so its memory stays out of reuse
+    // until then even if the map evicts it (or another thread does) right after this call.
+    if (layer_array.defined()) layer_array.record_stream(stream.unwrap());
     return rc == 0 ? std::string() : msg(lmc_last_error());
   });
 }

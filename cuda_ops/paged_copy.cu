@@ -6,9 +6,23 @@
 // kUnroll units of 16 bytes (when every address and stride allows) in flight: loads first, then stores.
 // The chunk may be the device alias of pinned host memory: the kernel then reads / writes host memory over
 // PCIe itself, with no staging buffer and no copy-engine call.
+//
+// The same source is also compiled for the host by g++ (cuda_ops/host_emulation.h, run by `make check-cuda`
+// and tests/test_cuda_host.py against the layouts' torch path): the three macros below are its only hooks.
+// nvcc never sees them set, so the GPU build is what they default to.
 #include "paged_copy.h"
 
 #include <stdio.h>
+
+#ifndef LMC_LAUNCH  // kernel<<<grid, block, 0, stream>>>(args); the host emulation walks the grid instead
+#define LMC_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<grid, block, 0, stream>>>
+#endif
+#ifndef LMC_MAX_BLOCKS_X  // the host emulation also builds with a tiny grid, so the grid-stride loop runs
+#define LMC_MAX_BLOCKS_X 4096u
+#endif
+#ifndef LMC_KERNEL_SLOT  // the host emulation builds a deliberately wrong variant through this (tests only)
+#define LMC_KERNEL_SLOT(slot) (slot)
+#endif
 
 namespace {
 
@@ -26,7 +40,7 @@ int cuda_fail(cudaError_t err, const char* where) {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-constexpr unsigned kMaxBlocksX = 4096;  // enough to fill any current GPU; the grid strides over the rest
+constexpr unsigned kMaxBlocksX = LMC_MAX_BLOCKS_X;  // fills any current GPU; the grid strides over the rest
 
 template <typename Vec, bool kGather>
 __global__ void __launch_bounds__(kThreads) paged_copy_kernel(lmc_paged_args a, uint32_t units_per_piece) {
@@ -46,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) paged_copy_kernel(lmc_paged_args a, 
       if (i >= total) continue;
       const uint32_t token = i / per_token, rest = i - token * per_token;
       const uint32_t head = rest / units_per_piece, unit = rest - head * units_per_piece;
-      const int64_t slot = a.slots[token];
+      const int64_t slot = LMC_KERNEL_SLOT(a.slots[token]);
       if (slot < 0 || slot >= a.num_slots) continue;
       Vec* cell = const_cast<Vec*>(reinterpret_cast<const Vec*>(
                       base + (slot / a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_token +
@@ -86,11 +100,11 @@ int launch(const lmc_paged_args* a, cudaStream_t stream) {
   dim3 grid(static_cast<unsigned>(wanted < kMaxBlocksX ? wanted : kMaxBlocksX),
             static_cast<unsigned>(a->num_layers * a->planes));
   switch (unit) {
-    case 16: paged_copy_kernel<uint4, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
-    case 8: paged_copy_kernel<uint2, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
-    case 4: paged_copy_kernel<uint32_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
-    case 2: paged_copy_kernel<uint16_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
-    default: paged_copy_kernel<uint8_t, kGather><<<grid, kThreads, 0, stream>>>(*a, units); break;
+    case 16: LMC_LAUNCH(grid, kThreads, stream, paged_copy_kernel<uint4, kGather>)(*a, units); break;
+    case 8: LMC_LAUNCH(grid, kThreads, stream, paged_copy_kernel<uint2, kGather>)(*a, units); break;
+    case 4: LMC_LAUNCH(grid, kThreads, stream, paged_copy_kernel<uint32_t, kGather>)(*a, units); break;
+    case 2: LMC_LAUNCH(grid, kThreads, stream, paged_copy_kernel<uint16_t, kGather>)(*a, units); break;
+    default: LMC_LAUNCH(grid, kThreads, stream, paged_copy_kernel<uint8_t, kGather>)(*a, units); break;
   }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : cuda_fail(err, "lmc_paged: kernel launch");

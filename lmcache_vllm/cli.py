@@ -12,7 +12,9 @@
     lmcache-vllm ping --redis URL [--json]
         connects (TLS, AUTH as the URL says) and measures the round trip;
     lmcache-vllm stats --url http://HOST:PORT [--json]
-        our part of a running server's /metrics as tables.
+        our part of a running server's /metrics as tables;
+    lmcache-vllm keygen
+        prints a fresh random secret for the chunk MAC (LMCACHE_VLLM_CHUNK_MAC_KEY; docs/SECURITY.md).
 
 The tools live in `lmcache_vllm/admin/`. Exit codes: see `EXIT_*`.
 """
@@ -37,6 +39,7 @@ USAGE = """usage: lmcache-vllm serve MODEL [vllm serve options...]
        lmcache-vllm clear --disk DIR | --redis URL [--model NAMESPACE] [--yes] [--dry-run] [--json]
        lmcache-vllm ping --redis URL [--json]
        lmcache-vllm stats --url http://HOST:PORT [--json]
+       lmcache-vllm keygen   (a fresh chunk MAC secret: export LMCACHE_VLLM_CHUNK_MAC_KEY=$(lmcache-vllm keygen))
        lmcache-vllm VLLM_SUBCOMMAND [...]   (passed to vLLM's CLI unchanged)"""
 
 
@@ -88,7 +91,9 @@ def _confirm(question: str) -> bool:
 
 def _run_tool(args: argparse.Namespace) -> int:
     from lmcache_vllm.admin import report as rep
+    from lmcache_vllm.config.redact import redact_url, remember_secret, url_password
 
+    remember_secret(url_password(getattr(args, "redis", None) or ""))  # never printed from here on
     prefix = getattr(args, "prefix", None) or _default_key_prefix()
     if args.command == "inspect":
         if args.disk:
@@ -100,7 +105,7 @@ def _run_tool(args: argparse.Namespace) -> int:
         print(rep.dumps(result.to_dict()) if args.json else rep.format_report(result))
         return EXIT_CORRUPT if result.num_corrupt else EXIT_OK
     if args.command == "clear":
-        what = f"disk directory {args.disk}" if args.disk else f"Redis {args.redis} (prefix {prefix!r})"
+        what = f"disk directory {args.disk}" if args.disk else f"Redis {redact_url(args.redis)} (prefix {prefix!r})"
         scope = f"chunks of {args.model!r}" if args.model else "every chunk"
         if not (args.yes or args.dry_run) and not _confirm(f"Remove {scope} from {what}?"):
             return EXIT_ABORTED
@@ -142,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return EXIT_OK if args else EXIT_USAGE
+    if args[0] == "keygen":
+        import secrets
+
+        print(secrets.token_urlsafe(32))  # 256 random bits, printable, no quoting needed in a shell
+        return EXIT_OK
     if args[0] == "build-model":
         from lmcache_vllm.integration.vllm.testing.local_model import main as build_main
 
@@ -156,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             return EXIT_ABORTED
         except Exception as exc:  # unreachable tier, missing directory, server down: one clear line
-            print(f"lmcache-vllm {parsed.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            from lmcache_vllm.config.redact import redact_text
+
+            print(redact_text(f"lmcache-vllm {parsed.command}: {type(exc).__name__}: {exc}"), file=sys.stderr)
             return EXIT_ERROR
     from lmcache_vllm.integration.vllm.launcher import run_vllm_cli
 

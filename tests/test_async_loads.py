@@ -239,24 +239,28 @@ def test_abort_while_waiting_releases_everything(redis_server, redis_engine):
         worker.shutdown()
 
 
-def test_async_load_stuck_on_disk_times_out_as_a_failed_load_not_a_hang(tmp_path):
-    """A chunk file that became a FIFO blocks its reader in open() until a writer appears: a real
-    stuck read (as on a hung network file system). The load gives up after its timeout and reports the
-    missing tokens for recompute; the step never waits."""
-    import os
-
-    from lmcache_vllm.storage.local_disk import filename_for
+def test_async_load_stuck_on_disk_times_out_as_a_failed_load_not_a_hang(tmp_path, monkeypatch):
+    """A disk read that hangs (as on a hung network file system): the load gives up after its timeout and
+    reports the missing tokens for recompute; the step never waits. (A FIFO in place of the chunk file
+    used to make a real hang; the disk tier now refuses anything but a regular file without blocking, so
+    the hang is made by holding the chunk's read.)"""
+    from lmcache_vllm.storage import chunk_file
 
     caches = make_caches(True, seed=8)
     engine = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.1)
     worker = make_worker(engine, caches, load_timeout_s=0.3)
-    fifo = None
+    release = threading.Event()
     try:
         tokens, _, dst = store_prompt(worker, 1300, 2, 30)
-        key = engine.keys.keys(tokens)[1][0].to_str()
-        fifo = tmp_path / filename_for(key)
-        fifo.unlink()
-        os.mkfifo(fifo)
+        stuck_key = engine.keys.keys(tokens)[1][0].to_str()
+        real_read = chunk_file.read_chunk
+
+        def stuck_read(path, key, alloc, mac=None):
+            if key == stuck_key:
+                release.wait(30)
+            return real_read(path, key, alloc, mac)
+
+        monkeypatch.setattr(chunk_file, "read_chunk", stuck_read)
         result = ask(worker, "r", tokens)
         assert result.hit_tokens == 2 * CHUNK  # the index knows the chunk; reading it will hang
         spec = LoadSpec("r", np.asarray(tokens), dst, 0, 2 * CHUNK - 1, is_async=True)
@@ -271,9 +275,7 @@ def test_async_load_stuck_on_disk_times_out_as_a_failed_load_not_a_hang(tmp_path
         assert worker.take_load_errors() == set(dst)
         assert metrics.value("async_load_timeouts") == 1
     finally:
-        if fifo is not None:  # let the stuck reader go: it sees an empty "file" and counts an error
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            os.close(fd)
+        release.set()  # let the stuck reader go
         worker.shutdown()
 
 

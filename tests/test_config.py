@@ -283,3 +283,49 @@ def test_to_dict_round_trips_and_summary_masks_passwords():
     summary = cfg.summary()
     assert "chunk_size=16" in summary and "secret" not in summary and "redis://u:***@h:6379/0" in summary
     assert "extra_config={'remote_key_prefix': 'p:'}" in summary
+
+
+# ---- bounded reading: a configuration can not exhaust memory, time or the stack
+def _laughs(levels: int = 9, width: int = 10, key: str = "not_a_key") -> str:
+    lines = [f"a0: &a0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\n{key}: *a{levels}\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bomb,bound", [
+    (_laughs(), "aliases"),  # "billion laughs": 10**9 strings from 90 aliases
+    (_laughs(key="chunk_size"), "aliases"),
+    (_laughs(levels=7, width=4, key="extra_config"), "aliases"),  # 29 aliases, still an expansion
+    ("chunk_size: " + "[" * 20000 + "]" * 20000 + "\n", "deep"),
+    ("extra_config: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "deep"),
+    ("# " + "x" * (4 << 20) + "\nchunk_size: 256\n", "larger than"),
+])
+def test_yaml_bombs_are_refused_with_a_clear_error(tmp_path, bomb, bound):
+    with pytest.raises(ConfigError, match=bound) as err:
+        load_config(environ=write_yaml(tmp_path, bomb))
+    assert err.value.keys == {"LMCACHE_CONFIG_FILE"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("environ,overrides", [
+    ({"LMCACHE_EXTRA_CONFIG": "[" * 100000}, None),  # JSON nested beyond the stack
+    ({"LMCACHE_EXTRA_CONFIG": '{"a": ' * 100000 + "1" + "}" * 100000}, None),
+    ({"LMCACHE_CHUNK_SIZE": "9" * (1 << 20)}, None),  # a megabyte of digits
+    ({}, {"extra_config": {"cache_namespace": "x" * (1 << 20)}}),
+])
+def test_oversized_or_deep_values_from_env_and_code_are_refused(environ, overrides):
+    nested: dict = {}
+    for _ in range(5000):
+        nested = {"a": nested}
+    for env, over in ((environ, overrides), ({}, {"extra_config": nested}), ({}, {"not_a_key": nested})):
+        with pytest.raises(ConfigError):
+            load_config(over, environ=env)
+
+
+@pytest.mark.timeout(60)
+def test_control_characters_and_long_unknown_keys_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):  # the reader refuses it before parsing
+        load_config(environ=write_yaml(tmp_path, "chunk_size: 256\n\x1f\n"))
+    with pytest.raises(ConfigError, match="unknown key"):  # no len x len edit distance per known key
+        load_config({"k" * 60000: 1}, environ={})

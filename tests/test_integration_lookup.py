@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
 import threading
 import time
 
@@ -130,7 +131,9 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(server.address)
     try:
-        raw.send_multipart([b"garbage"])  # wrong frame count: ignored, server keeps serving
+        raw.send_multipart([b"garbage"])  # wrong frame count: an error reply, the server keeps serving
+        assert raw.poll(2000)
+        assert LookupAnswer.decode(raw.recv_multipart()[1]).hit_tokens == 0
         start = b"\x00" * 8
         for bad in ([b"\x01" * 8, b"r", start, b"\x00" * 5, b""],  # not whole int64s
                     [b"\x01" * 8, b"r", start, b"\x00" * 8, b"junk"],  # extra keys that do not parse
@@ -142,6 +145,62 @@ def test_failing_lookup_and_malformed_requests_answer_safely(sock_dir):
         assert client.lookup(query([1, 2])).hit_tokens == 0
     finally:
         raw.close()
+        client.close()
+        server.close()
+
+
+def test_out_of_range_fields_get_an_error_reply_and_the_server_survives(sock_dir):
+    """A start >= 2**63 (or beyond the tokens sent) used to raise struct.error in the server thread: the
+    thread died and every later lookup timed out. Every field is checked; a bad one is answered 0 hits."""
+    def like_the_worker(q):  # the worker answers from the chunk-aligned start it was asked about
+        return LookupAnswer(len(q.token_ids), start=q.start // 256 * 256)
+
+    server = LookupServer(lookup_socket_path("range", 0, sock_dir), like_the_worker)
+    client = LookupClient([server.address], timeout_ms=2000, direct=False)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.address)
+    try:
+        tokens = encode_tokens(range(512))
+        for start in (2**63, 2**64 - 1, 513):
+            raw.send_multipart([b"\x02" * 8, b"r", struct.pack("<Q", start), tokens, b""])
+            assert raw.poll(2000), f"no reply to start={start}"
+            seq, payload = raw.recv_multipart()
+            assert seq == b"\x02" * 8 and LookupAnswer.decode(payload).hit_tokens == 0
+        assert metrics.value("lookup_rejected") == 3
+        assert client.lookup(query(range(512), start=256)) == LookupAnswer(512, start=256)
+        assert server._thread.is_alive()
+    finally:
+        raw.close()
+        client.close()
+        server.close()
+
+
+def test_a_failing_answer_gets_an_error_reply_and_a_dead_loop_restarts(sock_dir, monkeypatch):
+    huge = LookupAnswer(2**64)  # a lookup function's answer that does not fit the wire format
+    server = LookupServer(lookup_socket_path("restart", 0, sock_dir), lambda q: huge,
+                          commands={"big": lambda: 2**70})
+    client = LookupClient([server.address], timeout_ms=2000, direct=False)
+    try:
+        assert client.lookup(query([1, 2])).hit_tokens == 0  # answered: 0 hits, not silence
+        assert client.command("big") == [-1]
+        # A fault outside any one message (here: sending the reply; real ones are ZMQ errors) ends the
+        # serving loop: it is counted and the loop serves again.
+        real_send = server._socket.send_multipart
+        calls = []
+
+        def send_once_fails(frames):
+            calls.append(1)
+            if len(calls) == 1:
+                raise zmq.ZMQError(zmq.EFSM)
+            real_send(frames)
+
+        monkeypatch.setattr(server._socket, "send_multipart", send_once_fails)
+        server._lookup_fn = lambda q: hit(7)
+        assert client.lookup(query([1])).hit_tokens == 0  # its reply was lost: a timeout, one miss
+        assert client.lookup(query([1])).hit_tokens == 7
+        assert metrics.value("lookup_server_restarts") == 1 and server._thread.is_alive()
+    finally:
         client.close()
         server.close()
 

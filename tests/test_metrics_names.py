@@ -19,8 +19,11 @@ STABLE = [
     ("lookup_timeouts", "counter", (),
      'Lookups that timed out and counted as 0 hits'),
     ("lookup_rejected", "counter", (),
-     'Lookup messages a worker refused: malformed, or more tokens than max_model_len (answered'
-     ' 0 hits or dropped)'),
+     'Lookup messages a worker refused: malformed, a field out of range, more tokens than '
+     'max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 to a command)'),
+    ("lookup_server_restarts", "counter", (),
+     "Times a worker's lookup server loop failed outside any one message (a ZMQ error) and started "
+     "serving again"),
     ("uncacheable_requests", "counter", ('reason',),
      'Requests neither looked up nor saved because what decides their KV besides token ids '
      'cannot be named in a key (reason: mm_unidentified, lora_unreadable, error_<exception>)'),
@@ -70,6 +73,10 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("cuda_kernel_fallbacks", "counter", ('reason',),
+     'KV layouts whose copies use the torch path on a GPU although extra_config.cuda_kernel is auto: the '
+     'CUDA kernel gave other bytes than the torch path on a scratch copy of the layout (mismatch), failed to '
+     'run (error) or is not built (not_built)'),
     ("async_load_timeouts", "counter", (),
      'Asynchronous loads whose chunks were not read within blocking_timeout_secs; what had not'
      ' arrived was recomputed'),
@@ -134,6 +141,10 @@ STABLE = [
      'Bytes a tier may use'),
     ("resident_chunks", "gauge", ('tier',),
      'Chunks a tier holds now'),
+    ("unprotected_shared_tier", "gauge", ('tier',),
+     '1 while a tier others can write (Redis; a disk directory configured as shared) stores chunks '
+     'without a keyed MAC: whoever can write it can plant KV the model reads (set '
+     'LMCACHE_VLLM_CHUNK_MAC_KEY), else 0'),
     ("breaker_open", "gauge", ('tier',),
      "1 while the tier's circuit breaker is open (calls answer misses at once), else 0"),
     ("write_queue_pending", "gauge", (),

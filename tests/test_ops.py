@@ -354,6 +354,7 @@ def test_cuda_kernels_match_the_cpu_reference(kind, target, head_size, dtype):
     assert bool((slots < 0).any())
     layout = detect_layout(cpu_views, **hint(kind))
     gpu_layout = detect_layout(gpu_views, **hint(kind))
+    assert gpu_layout.bind_kernel(gpu_views, "on").use_kernel  # the kernel, not a silent torch fallback
     shape = layout.chunk_shape(slots.numel())
     sentinel = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=gen,
                              dtype=torch.uint8).view(dtype)

@@ -4,6 +4,7 @@ import struct
 
 import pytest
 import torch
+import xxhash
 
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
@@ -116,3 +117,32 @@ def test_keyed_mac_authenticates_header_and_payload():
     assert "tenant" not in mac.key_id
     with pytest.raises(ValueError):
         codec.ChunkMac("")
+
+
+def craft_chunk(key: str, shape, *, dtype_code: int = 3, payload: bytes = b"", payload_len=None,
+                header_len=None, fmt: int = codec.FORMAT_VERSION) -> bytes:
+    """A chunk whose header says what we like, with a correct header checksum (what anyone who can
+    write to a shared tier can produce): only the bounds on each field can refuse it."""
+    key_bytes = key.encode()
+    body = key_bytes + struct.pack(f"<{len(shape)}Q", *shape)
+    header_len = codec.FIXED_SIZE + len(body) if header_len is None else header_len
+    payload_len = len(payload) if payload_len is None else payload_len
+    fixed = struct.pack(f"<4sHHIIIQQ{codec.MAC_SIZE}s", codec.MAGIC, fmt, dtype_code, len(key_bytes),
+                        len(shape), header_len, payload_len, codec.checksum(payload), bytes(codec.MAC_SIZE))
+    header = fixed + struct.pack("<I", xxhash.xxh32_intdigest(fixed + body)) + body
+    padding = header_len - len(header) if header_len <= 2 * codec.MAX_HEADER_LEN else 0  # (else: cut short)
+    return header + bytes(max(0, padding)) + payload
+
+
+@pytest.mark.parametrize("shape,payload_len", [
+    ((0, 2**63), 0),  # zero elements: matches an empty payload, then fails to allocate
+    ((2**62, 4), 0),  # product overflows to a multiple of 2**64 in C: must not wrap
+    ((2**40, 2**40), 2**81),  # payload length itself out of range (u64 would not hold it)
+    ((1 << 20, 1 << 20), 1 << 41),  # 2 TiB: no chunk is that large
+])
+def test_crafted_header_with_valid_checksum_is_corrupt(shape, payload_len):
+    alloc = HostAllocator(1 << 20)
+    buf = craft_chunk(KEY, shape, payload_len=payload_len % 2**64)
+    with pytest.raises(CorruptEntry):
+        codec.decode(buf, KEY, lambda shape, dt: alloc.allocate(shape, dt))
+    assert alloc.used_bytes == 0

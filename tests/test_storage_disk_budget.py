@@ -3,11 +3,14 @@ them, and a process never evicts another's files while the directory is under th
 real files."""
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -104,6 +107,36 @@ async def test_another_process_files_survive_while_the_directory_is_under_its_ca
     assert all(p.exists() for p in a_files)
     assert [(cache / filename_for(key("bbbb", i))).exists() for i in range(8)] == [False] * 2 + [True] * 6
     assert chunk_bytes(cache) == CAP_FILES * FILE_BYTES
+    await a.close()
+    await b.close()
+
+
+async def test_two_commits_of_the_same_key_count_once(tmp_path):
+    """Two writers (processes, TP ranks) storing the same key at once both write a temp file; the second
+    rename replaces the first file, so the directory holds one file, and the count must say one."""
+    cache = tmp_path / "cache"
+    a, b = (LocalDiskBackend(str(cache), CAP_FILES * FILE_BYTES) for _ in range(2))
+    allocator = HostAllocator(1 << 20)
+    objs = [allocator.allocate((2, 2, 16, 64), torch.bfloat16) for _ in range(2)]
+    for obj in objs:
+        obj.tensor.fill_(7)
+    # Hold the directory's budget lock: both writers get as far as their commit and wait there.
+    lock_fd = os.open(cache / USAGE_FILE, os.O_RDWR)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    try:
+        puts = [asyncio.ensure_future(disk.put(key("same", 1), obj)) for disk, obj in zip((a, b), objs)]
+        deadline = time.monotonic() + 30
+        while len([p for p in cache.iterdir() if p.name.startswith(".tmp-")]) < 2:
+            assert time.monotonic() < deadline, "the writers did not reach their commits"
+            await asyncio.sleep(0.01)
+    finally:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        os.close(lock_fd)
+    assert await asyncio.gather(*puts) == [True, True]
+    assert chunk_bytes(cache) == FILE_BYTES
+    assert SharedDiskBudget(str(cache), 0).used() == FILE_BYTES
+    for obj in objs:
+        obj.ref_down()
     await a.close()
     await b.close()
 

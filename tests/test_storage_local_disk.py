@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from lmcache_vllm.config import ConfigError
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage import codec, local_disk
@@ -271,3 +272,90 @@ async def test_keyed_mac_files_of_another_writer_are_misses_and_deleted(tmp_path
     assert metrics.value("corrupt_chunks", tier="local_disk") == 1
     for disk in (signed, unsigned):
         await disk.close()
+
+
+# ---- directory trust: who owns and can write the directory, and what may stand in place of a chunk file
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.parametrize("setup", ["other_owner", "world_writable", "group_writable"])
+async def test_directory_others_can_write_is_refused_unless_shared(tmp_path, setup):
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    if setup == "other_owner":
+        os.chown(root, OTHER_UID, OTHER_UID)  # real ownership; root reads it anyway: the check is ours
+    else:
+        os.chmod(root, 0o777 if setup == "world_writable" else 0o770)
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    with pytest.raises(ConfigError, match="local_disk_shared") as refused:
+        LocalDiskBackend(str(root), 1 << 20)
+    assert "local_disk" in str(refused.value) and str(root) in str(refused.value)
+    owner = os.stat(root).st_uid
+    disk = LocalDiskBackend(str(root), 1 << 20, shared=True)  # configured as shared: used as it is
+    assert stat.S_IMODE(os.stat(root).st_mode) == mode and os.stat(root).st_uid == owner
+    await disk.close()
+
+
+async def test_directories_we_create_are_0700_and_the_users_own_is_left_alone(tmp_path):
+    made = tmp_path / "a" / "b" / "cache"
+    disk = LocalDiskBackend(str(made), 1 << 20)
+    await disk.close()
+    for d in (tmp_path / "a", tmp_path / "a" / "b", made):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o755)
+    disk = LocalDiskBackend(str(mine), 1 << 20)  # ours, nobody else can write it: used, and not chmod-ed
+    await disk.close()
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o755
+
+
+def _finish_fifo_reads(path) -> None:
+    """Lets a reader blocked opening the FIFO at `path` go (it would otherwise block its thread for ever)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+async def test_fifo_in_place_of_a_chunk_is_a_miss_not_a_hang(tmp_path, alloc, make_chunk):
+    disk = LocalDiskBackend(str(tmp_path / "cache"), 1 << 20)
+    assert await disk.put(key(1), obj_of(make_chunk(1, CHUNK)))
+    path = tmp_path / "cache" / filename_for(key(1))
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+    try:
+        assert await asyncio.wait_for(disk.get(key(1), alloc), 5) is None
+        assert metrics.value("corrupt_chunks", tier="local_disk") == 1 and not path.exists()
+        os.mkfifo(tmp_path / "cache" / filename_for(key(2)), 0o600)  # planted under a key never written
+        assert await asyncio.wait_for(disk.contains([key(2)]), 5) == [False]
+        assert await asyncio.wait_for(disk.get(key(2), alloc), 5) is None
+        restarted = await asyncio.wait_for(asyncio.to_thread(LocalDiskBackend, str(tmp_path / "cache"), 1 << 20), 5)
+        await restarted.close()
+    finally:
+        for name in (filename_for(key(1)), filename_for(key(2))):
+            _finish_fifo_reads(tmp_path / "cache" / name)
+        await disk.close()
+
+
+async def test_symlinks_are_never_followed(tmp_path, alloc, make_chunk):
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    src = make_chunk(1, CHUNK)
+    outside = LocalDiskBackend(str(elsewhere), 1 << 20)
+    assert await outside.put(key(1), obj_of(src))
+    await outside.close()
+    disk = LocalDiskBackend(str(cache), 1 << 20)
+    os.symlink(elsewhere / filename_for(key(1)), cache / filename_for(key(1)))  # a valid chunk, behind a link
+    assert await disk.contains([key(1)]) == [False]
+    assert await disk.get(key(1), alloc) is None
+    assert (elsewhere / filename_for(key(1))).exists()  # whatever we remove, never the link's target
+    await disk.close()
+    # The usage count file planted as a link to a file of someone else's: refused, the file untouched.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    os.symlink(victim, plain / USAGE_FILE)
+    with pytest.raises(ConfigError, match=USAGE_FILE):
+        LocalDiskBackend(str(plain), 1 << 20)
+    assert victim.read_bytes() == b"precious"

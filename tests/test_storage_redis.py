@@ -115,6 +115,34 @@ async def test_killed_server_gives_fast_misses_then_recovers(redis_server, redis
     await backend.close()
 
 
+async def test_cancelled_probe_does_not_leave_the_breaker_open(redis_server, redis_prefix):
+    """A probe (the first call after the breaker's retry time) cancelled mid-flight, e.g. its request
+    was aborted, says nothing about Redis: the next call after the retry time probes again."""
+    backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_timeout_secs=5.0,
+                                        remote_breaker_max_secs=0.05), breaker_base_secs=0.05)
+    redis_server.kill()
+    try:
+        assert not await backend.ping()  # connection refused: the breaker opens
+        assert backend.breaker_open
+    finally:
+        redis_server.restart()
+    await asyncio.sleep(0.1)  # past the retry time: the next call is the probe
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # it connects, then waits for an answer
+    try:
+        probe = asyncio.ensure_future(backend.contains([key(1)]))
+        await asyncio.sleep(0.2)
+        assert not probe.done()
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await asyncio.sleep(0.1)
+    assert await backend.ping(), "the breaker never lets a call through again"
+    assert not backend.breaker_open
+    await backend.close()
+
+
 async def test_frozen_server_is_bounded_by_the_timeout(redis_server, redis_prefix, allocator):
     backend = RedisBackend(redis_config(redis_server.url, remote_key_prefix=redis_prefix, remote_timeout_secs=0.5))
     assert await backend.ping()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget
+from lmcache_vllm.storage.disk_dir import NotRegularFile, open_regular
 from lmcache_vllm.storage.local_disk import SUFFIX, TMP_PREFIX, filename_for
 
 STALE_TMP_SECS = 60.0  # a temp file this old is no live writer's
@@ -31,10 +32,13 @@ class _File:
 
 
 def _read_file(path: str, name: str, verify: bool) -> _File:
-    full = os.path.join(path, name)
-    st = os.stat(full)
+    try:  # as the disk tier opens it: no symbolic link followed, no FIFO waited on
+        fd = open_regular(os.path.join(path, name))
+    except NotRegularFile:
+        return _File(name, 0, 0.0, problem="not a regular file", ours=False)
+    st = os.fstat(fd)
     item = _File(name, st.st_size, st.st_mtime)
-    with open(full, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         head = f.read(codec.MAX_HEADER_SIZE)
         version = codec.read_format_version(head)
         if version != codec.FORMAT_VERSION:

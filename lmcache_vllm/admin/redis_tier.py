@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from lmcache_vllm.admin.report import TierReport, namespace_matches, namespace_of
-from lmcache_vllm.observability.logs import safe_url
+from lmcache_vllm.config.redact import redact_text, redact_url
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.redis_backend import glob_escape
 from lmcache_vllm.tokens import CacheKey
@@ -72,7 +72,7 @@ def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis,
 
 def inspect_redis(url: str, prefix: str, *, verify: bool = False, timeout: float = 5.0) -> TierReport:
     client = connect(url, timeout)
-    report = TierReport("redis", f"{safe_url(url)} prefix {prefix!r}", verified=verify,
+    report = TierReport("redis", f"{redact_url(url)} prefix {prefix!r}", verified=verify,
                         time_note=" (from idle times: least / most recently used)")
     now = time.time()
     try:
@@ -131,7 +131,7 @@ def ping_redis(url: str, *, count: int = 5, timeout: float = 5.0) -> dict:
     """Connects (TLS and AUTH as the URL says), PINGs `count` times and reads a few INFO fields.
     `error` is set (and `ok` False) when the server cannot be reached or refuses us."""
     parsed = urlparse(url)
-    out: dict = {"url": safe_url(url), "ok": False, "tls": parsed.scheme == "rediss",
+    out: dict = {"url": redact_url(url), "ok": False, "tls": parsed.scheme == "rediss",
                  "auth": "user+password" if parsed.username and parsed.password else
                  "password" if parsed.password else "none"}
     client = connect(url, timeout)
@@ -151,10 +151,10 @@ def ping_redis(url: str, *, count: int = 5, timeout: float = 5.0) -> dict:
                                                    "maxmemory_policy", "connected_clients")}
         out["ok"] = True
     except AuthenticationError as exc:
-        out["error"] = f"authentication failed: {exc}"
+        out["error"] = redact_text(f"authentication failed: {exc}")
         out["auth_failed"] = True
     except (RedisError, OSError) as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = redact_text(f"{type(exc).__name__}: {exc}")
         if "SSL" in str(exc) or "certificate" in str(exc):
             out["tls_failed"] = True
     finally:

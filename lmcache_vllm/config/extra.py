@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_vllm.config.fields import at_least, greater_than, normalize_fields, raise_if_any, setting, size_gib
+from lmcache_vllm.config.fields import (at_least, greater_than, normalize_fields, raise_if_any, redacted_repr, setting,
+                                        size_gib)
+from lmcache_vllm.config.redact import remember_secret
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
@@ -43,6 +45,11 @@ class ExtraConfig:
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")
+    local_disk_shared: bool = setting(False, "the local_disk directory is shared with other users: it may "
+                                             "be owned by another user or writable by its group or everyone, "
+                                             "and is used as it is. False: such a directory is refused at "
+                                             "start, since whoever can write it can plant chunks the model "
+                                             "reads (shared: set a chunk MAC key, see docs/SECURITY.md)")
     # L3 Redis
     remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis key we write")
     remote_ttl_secs: Optional[float] = setting(None, "expiry of stored chunks in Redis; null: never",
@@ -55,6 +62,12 @@ class ExtraConfig:
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
     remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
                                              check=SECONDS)
+    # KV copies on a GPU
+    cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
+                                       "the torch path's bytes on a scratch copy of that layout; otherwise an "
+                                       "error is logged and the torch path used), 'on' (the same check; a "
+                                       "mismatch or a missing kernel stops the start), 'off' (torch path)",
+                               choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     # Operations
     reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
                                              "L2 and L3 (shared with other instances); false: only L1")
@@ -67,8 +80,16 @@ class ExtraConfig:
                                                  "and in Redis: chunks without a valid MAC are misses and "
                                                  "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
                                                  "variable (vLLM logs kv_connector_extra_config)")
+    require_chunk_mac: bool = setting(False, "refuse to start when a tier others can write (remote_url; a "
+                                             "local_disk with local_disk_shared) would store chunks without a "
+                                             "MAC key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: "
+                                             "start with one warning (see docs/SECURITY.md)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 
     def __post_init__(self):
         raise_if_any(normalize_fields(self, prefix="extra_config."))
+        remember_secret(self.chunk_mac_key)  # from now on redacted from any text we show
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)

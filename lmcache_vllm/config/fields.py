@@ -11,11 +11,14 @@ of them. Nothing here knows any particular key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+from lmcache_vllm.config.redact import redact_text, redact_value
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -50,9 +53,9 @@ class Problem:
     origin: Optional[Origin] = None
 
     def __str__(self) -> str:
-        head = self.key if self.value is MISSING else f"{self.key}={masked(self.value)!r}"
+        head = self.key if self.value is MISSING else f"{self.key}={redact_value(self.key, self.value)!r}"
         where = f" ({self.origin})" if self.origin is not None else ""
-        return f"{head}{where}: {self.message}"
+        return f"{head}{where}: {redact_text(self.message)}"
 
 
 class ConfigError(ValueError):
@@ -74,16 +77,11 @@ class ConfigError(ValueError):
         return {p.key for p in self.problems}
 
 
-def masked(value: Any) -> Any:
-    """A URL with its password replaced by *** (for errors and logs); anything else unchanged."""
-    if isinstance(value, str) and "://" in value:
-        scheme, rest = value.split("://", 1)
-        netloc, sep, tail = rest.partition("/")
-        if "@" in netloc:
-            userinfo, host = netloc.rsplit("@", 1)
-            if ":" in userinfo:
-                return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{sep}{tail}"
-    return value
+def redacted_repr(obj: Any) -> str:
+    """`Name(field=value, ...)` of a settings dataclass, secrets redacted (see `redact.py`)."""
+    fields = ", ".join(f"{f.name}={redact_value(f.name, getattr(obj, f.name))!r}"
+                       for f in dataclasses.fields(obj))
+    return f"{type(obj).__name__}({fields})"
 
 
 def raise_if_any(problems: Sequence[Problem]) -> None:
@@ -109,8 +107,10 @@ def field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
-    """The resolved type of every field of a dataclass (annotations may be strings)."""
+    """The resolved type of every field of a dataclass (annotations may be strings; resolving them
+    compiles each one, so it is done once per class). Do not change the dict returned."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -171,7 +171,7 @@ def parse_value(value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             try:
                 value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:  # (nested beyond the stack)
                 raise ValueError(f"expected a JSON object: {exc}") from None
         if isinstance(value, Mapping):
             return dict(value)
@@ -183,7 +183,7 @@ def parse_value(value: Any, tp: Any) -> Any:
             if text.startswith("["):
                 try:
                     value = json.loads(text)
-                except json.JSONDecodeError as exc:
+                except (json.JSONDecodeError, RecursionError) as exc:
                     raise ValueError(f"expected a JSON list: {exc}") from None
             else:
                 value = [part.strip() for part in text.split(",") if part.strip()]
@@ -299,6 +299,8 @@ def did_you_mean(name: str, value: Any, candidates: Mapping[str, Any]) -> Option
     limit = 1 if len(name) <= 5 else 2
     best: Optional[tuple[int, str]] = None
     for candidate, tp in candidates.items():
+        if abs(len(name) - len(candidate)) > limit:
+            continue  # at least that many edits apart (and a long key would cost len x len steps)
         distance = edit_distance(name.lower(), candidate)
         if distance > limit or (best is not None and distance >= best[0]):
             continue

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional
 
 from lmcache_vllm.config.extra import ExtraConfig
 from lmcache_vllm.config.fields import (
+    MISSING,
     ConfigError,
     Problem,
     did_you_mean,
@@ -40,6 +41,7 @@ from lmcache_vllm.config.lmcache import (
     LMCACHE_KEYS,
 )
 from lmcache_vllm.config.reader import EXTRA_FIELDS, EntryReader
+from lmcache_vllm.config.redact import redact_text
 from lmcache_vllm.config.schema import LMCacheConfig
 from lmcache_vllm.config.sources import (
     CONFIG_FILE_ENV,
@@ -87,7 +89,9 @@ class _Loader(EntryReader):
     def top(self, entry: Entry) -> None:
         key = entry.key
         if not isinstance(key, str):
-            self.problems.append(Problem(repr(key), entry.value, "keys must be strings", entry.origin))
+            self.problems.append(Problem(repr(key)[:100], MISSING, "keys must be strings", entry.origin))
+            return
+        if self.unbounded(key, entry):
             return
         if entry.origin.source == OVERRIDES_SOURCE and key.startswith("lmcache."):
             key, entry = key[len("lmcache."):], replace(entry, key=key[len("lmcache."):])  # LMCache's prefix
@@ -187,7 +191,7 @@ def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
         loader.top(entry)
     loader.environment(others)
     config = loader.finish()
-    return ConfigReport(config, loader.problems, loader.warnings)
+    return ConfigReport(config, loader.problems, [redact_text(w) for w in loader.warnings])
 
 
 def load_config(overrides: Optional[Mapping[str, Any]] = None, *,

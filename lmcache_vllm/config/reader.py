@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 from lmcache_vllm.config.extra import ExtraConfig
 from lmcache_vllm.config.fields import (
+    MISSING,
     Origin,
     Problem,
     check_setting,
@@ -23,7 +24,8 @@ from lmcache_vllm.config.fields import (
     parse_value,
 )
 from lmcache_vllm.config.lmcache import LMCACHE_EXTRA_KEYS, LMCACHE_EXTRA_PREFIXES, MAPPED, MOONCAKE_KEYS, NOOP, KeyRule
-from lmcache_vllm.config.sources import Entry
+from lmcache_vllm.config.redact import MASK, is_secret_key, redact_text
+from lmcache_vllm.config.sources import Entry, value_problem
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,13 @@ class EntryReader:
     def warn(self, name: str, entry: Entry, text: str) -> None:
         self.warnings.append(f"{name} ({entry.origin}): {text}")
 
+    def unbounded(self, name: str, entry: Entry) -> bool:
+        """A value too large or deep to handle (see sources.py) is one problem, shown without it."""
+        message = value_problem(entry.value)
+        if message is not None:
+            self.problems.append(Problem(name, MISSING, f"its value is {message}", entry.origin))
+        return message is not None
+
     def top(self, entry: Entry) -> None:
         """An LMCache extra key that maps to a top-level key: only the loader, which reads the top-level
         keys, can take it."""
@@ -65,6 +74,8 @@ class EntryReader:
 
     def extra_key(self, entry: Entry) -> None:
         key = entry.key
+        if self.unbounded(f"extra_config.{key}"[:100], entry):
+            return
         if isinstance(key, str) and key in EXTRA_FIELDS:
             self.take(EXTRA_FIELDS[key], EXTRA_TYPES[key], f"extra_config.{key}", entry, self.extra)
         elif isinstance(key, str) and key in LMCACHE_EXTRA_KEYS:
@@ -120,7 +131,8 @@ class EntryReader:
         hint = did_you_mean(key, entry.value, candidates)
         message = (f"unknown key; did you mean '{prefix}{hint}'?" if hint else
                    "unknown key: neither lmcache-vllm nor LMCache has it (docs/CONFIG.md lists every key)")
-        self.problems.append(Problem(name, entry.value, message, entry.origin))
+        value = MASK if hint and is_secret_key(hint) else entry.value  # a misspelt secret is one still
+        self.problems.append(Problem(name, value, message, entry.origin))
 
     def features(self) -> None:
         """One problem per feature we lack that is switched on, listing its settings; the settings of a
@@ -149,5 +161,5 @@ def build_extra(mapping: Any, origin: Origin, problems: list[Problem]) -> ExtraC
         reader.warnings.append("extra_config.username/password: ignored: only LMCache's resp:// remote_url "
                                "takes them; write redis://user:password@host:port")
     for warning in reader.warnings:
-        logger.warning("lmcache-vllm config: %s", warning)
+        logger.warning("lmcache-vllm config: %s", redact_text(warning))
     return ExtraConfig(**reader.extra)

@@ -18,13 +18,14 @@ from lmcache_vllm.config.fields import (
     Problem,
     at_least,
     greater_than,
-    masked,
+    redacted_repr,
     normalize_fields,
     raise_if_any,
     setting,
     size_gib,
 )
 from lmcache_vllm.config.reader import build_extra
+from lmcache_vllm.config.redact import redact_value, remember_secret, url_password
 from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
@@ -84,7 +85,12 @@ class LMCacheConfig:
             # A mapping given in code is read like every other source's extra_config (LMCache's names, typos).
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
+        if isinstance(self.remote_url, str):
+            remember_secret(url_password(self.remote_url))  # from now on redacted from any text we show
         raise_if_any(problems)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     @property
     def max_local_cpu_bytes(self) -> int:
@@ -99,11 +105,12 @@ class LMCacheConfig:
 
     def summary(self) -> str:
         """One line with every top-level key and the extra_config keys that differ from their default
-        (for the start-up log; a password in remote_url is masked)."""
-        parts = [f"{f.name}={masked(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+        (for the start-up log; secrets redacted: see redact.py)."""
+        parts = [f"{f.name}={redact_value(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self)
                  if f.name != "extra_config"]
         defaults = ExtraConfig()
-        changed = {f.name: getattr(self.extra_config, f.name) for f in dataclasses.fields(ExtraConfig)
+        changed = {f.name: redact_value(f.name, getattr(self.extra_config, f.name))
+                   for f in dataclasses.fields(ExtraConfig)
                    if getattr(self.extra_config, f.name) != getattr(defaults, f.name)}
         return ", ".join(parts + [f"extra_config={changed!r}"])
 

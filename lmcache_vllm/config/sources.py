@@ -4,6 +4,14 @@
 Reading never raises: a file that cannot be read, is not UTF-8, is not YAML or is not a mapping is a
 `Problem` naming `LMCACHE_CONFIG_FILE` and the place, and loading goes on with the other sources so
 that one error lists everything.
+
+Reading is bounded, so that a configuration cannot exhaust memory, time or the stack: the file is at
+most `MAX_FILE_BYTES`; its YAML is scanned as events first (no recursion) and refused when nested
+deeper than `MAX_DEPTH` or using more than `MAX_ALIASES` aliases; the composed document is refused
+when, with every alias expanded, it has more than `MAX_NODES` nodes ("billion laughs": a few aliases
+can name 10**9 strings). Values from the environment and from code get the same bounds
+(`value_problem`), strings at most `MAX_VALUE_CHARS` characters. A real configuration is far inside all
+of them.
 """
 
 from __future__ import annotations
@@ -16,6 +24,13 @@ import yaml
 from lmcache_vllm.config.fields import MISSING, Origin, Problem
 
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 20
+MAX_ALIASES = 100
+MAX_NODES = 10_000
+MAX_VALUE_CHARS = 64 << 10
+# libyaml's parser where PyYAML was built with it (several times faster), else PyYAML's own.
+_EVENT_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 ENV_PREFIX = "LMCACHE_"
 OVERRIDES_SOURCE = "kv_connector_extra_config"
 
@@ -53,10 +68,14 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
     """The top-level keys of the YAML file at `path` (and of mappings one level down) with lines."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         problems.append(Problem(CONFIG_FILE_ENV, path, f"cannot read the file: {exc.strerror or exc}",
                                 Origin("environment", CONFIG_FILE_ENV)))
+        return []
+    if len(raw) > MAX_FILE_BYTES:
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"the file is larger than {MAX_FILE_BYTES} bytes: "
+                                "not a configuration", Origin("environment", CONFIG_FILE_ENV)))
         return []
     try:
         text = raw.decode("utf-8")
@@ -65,9 +84,23 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
         problems.append(Problem(CONFIG_FILE_ENV, path, f"the file is not UTF-8 text (byte "
                                 f"0x{raw[exc.start]:02x} at offset {exc.start})", file_origin(path, line)))
         return []
-    loader = yaml.SafeLoader(text)
+    refused = _yaml_shape_problem(text)
+    if refused is not None:
+        problems.append(Problem(CONFIG_FILE_ENV, path, refused, file_origin(path)))
+        return []
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:  # the reader refuses control characters at once
+        problems.append(_not_yaml(path, exc))
+        return []
     try:
         root = loader.get_single_node()
+        expanded = _expanded_nodes(root)
+        if expanded > MAX_NODES:
+            problems.append(Problem(CONFIG_FILE_ENV, path, f"with its aliases expanded the document has "
+                                    f"{expanded} nodes, more than {MAX_NODES}: refused (aliases that "
+                                    f"multiply, a \"billion laughs\")", file_origin(path)))
+            return []
         if root is None or (isinstance(root, yaml.ScalarNode) and loader.construct_object(root) is None):
             return []  # no document, or only null: no keys (as LMCache reads it)
         if not isinstance(root, yaml.MappingNode) or root.tag != "tag:yaml.org,2002:map":
@@ -76,13 +109,94 @@ def read_yaml(path: str, problems: list[Problem]) -> list[Entry]:
             return []
         return _entries(loader, root, path, problems, depth=0)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problems.append(Problem(CONFIG_FILE_ENV, path, f"not valid YAML: {exc}".replace("\n", " "),
-                                file_origin(path, line)))
+        problems.append(_not_yaml(path, exc))
+        return []
+    except RecursionError:  # (the event scan refuses deep nesting first; this is in case it could not)
+        problems.append(Problem(CONFIG_FILE_ENV, path, f"nested deeper than {MAX_DEPTH} levels: refused",
+                                file_origin(path)))
         return []
     finally:
         loader.dispose()
+
+
+def _not_yaml(path: str, exc: yaml.YAMLError) -> Problem:
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    return Problem(CONFIG_FILE_ENV, path, f"not valid YAML: {exc}".replace("\n", " "), file_origin(path, line))
+
+
+def _yaml_shape_problem(text: str) -> Optional[str]:
+    """What is wrong with the YAML's nesting or number of aliases, from its events (the parser is a state
+    machine: no recursion, unlike composing), or None."""
+    depth = aliases = 0
+    try:
+        for event in yaml.parse(text, Loader=_EVENT_LOADER):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    return f"nested deeper than {MAX_DEPTH} levels: refused"
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+            elif isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_ALIASES:
+                    return f"more than {MAX_ALIASES} aliases (*name): refused"
+    except yaml.YAMLError as exc:
+        if "nesting depth" in str(exc):  # libyaml's own limit, lower than the stack's
+            return f"nested deeper than {MAX_DEPTH} levels: refused"
+        return None  # composing reports it, with its line
+    return None
+
+
+def _expanded_nodes(root: Optional[yaml.Node]) -> int:
+    """Nodes of the document with every alias expanded, counted without expanding (an alias is the same
+    node object again: its count is computed once). Stops early past MAX_NODES."""
+    counts: dict[int, int] = {}
+    order: list[yaml.Node] = []
+    stack = [root] if root is not None else []
+    while stack:  # post-order without recursion (depth is bounded already, this is for safety)
+        node = stack.pop()
+        if id(node) in counts:
+            continue
+        if node is None or isinstance(node, yaml.ScalarNode):
+            counts[id(node)] = 1
+            continue
+        counts[id(node)] = 0  # visiting
+        order.append(node)
+        stack.extend(_children(node))
+    for node in reversed(order):
+        counts[id(node)] = min(MAX_NODES + 1, 1 + sum(counts.get(id(c), 1) for c in _children(node)))
+    return counts.get(id(root), 0) if root is not None else 0
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def value_problem(value: Any) -> Optional[str]:
+    """Why a value from any source is refused (a string longer than MAX_VALUE_CHARS, nesting deeper than
+    MAX_DEPTH, more than MAX_NODES items), or None. Counts shared objects once per reference without
+    recursion."""
+    nodes = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            return f"more than {MAX_NODES} items: refused"
+        if depth > MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH} levels: refused"
+        if isinstance(item, (str, bytes)) and len(item) > MAX_VALUE_CHARS:
+            return f"{len(item)} characters, more than {MAX_VALUE_CHARS}: refused"
+        if isinstance(item, Mapping):
+            stack.extend((x, depth + 1) for pair in item.items() for x in pair)
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend((x, depth + 1) for x in item)
+    return None
 
 
 def _entries(loader: yaml.SafeLoader, node: yaml.MappingNode, path: str, problems: list[Problem],

@@ -7,17 +7,29 @@ rows are left as they are on gather and their cache slots are not written on sca
 
 The base class does validation and planning; subclasses supply the torch copies for whole-block runs and
 for single tokens. When a compiled op (`lmcache_vllm.ops`) exists for the layout and device, `gather` /
-`scatter` hand all layers to it in one call instead.
+`scatter` hand all layers to it in one call instead. On a GPU that op (the CUDA kernel) is used only after
+`bind_kernel` found it agrees with the torch path on a scratch copy of the cache's layout
+(`layouts.kernel_check`; done on the first copy unless the connector did it at registration).
+
+The torch path between a GPU's cache and a chunk in host memory goes through a device staging chunk: the
+gather fills it on the current stream and `streams.copy_to_host` moves it into the host chunk in one
+non-blocking copy on the copy stream; a scatter copies the host chunk into a staging chunk on the current
+stream first. `stage_on_cpu = True` runs the same staging on CPU tensors (tests, benchmarks).
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from lmcache_vllm import ops
+from lmcache_vllm.layouts.streams import copy_to_host, valid_runs
+
+if TYPE_CHECKING:
+    from lmcache_vllm.layouts.kernel_check import KernelVerdict
 
 
 class LayoutError(ValueError):
@@ -109,6 +121,10 @@ class PagedKVLayout(ABC):
         # (slot mapping, its plan, the slots on the caches' device, the stream that copied them there) of the
         # last call, replaced as one tuple so threads never see a mixed set.
         self._last_plan: tuple[torch.Tensor, SlotPlan | None, torch.Tensor, object] | None = None
+        # (device, the kernel `bind_kernel` chose for it or None for the torch path, the verdict)
+        self._bound: tuple[torch.device, Any, "KernelVerdict"] | None = None
+        self._bind_lock = threading.RLock()
+        self.stage_on_cpu = False  # run the torch path's device staging on CPU tensors too
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.geometry})"
@@ -182,32 +198,80 @@ class PagedKVLayout(ABC):
         self._check_chunk(chunk_layer.unsqueeze(0), slots.numel(), 1, "chunk_layer")
         self._transfer(False, [cache], slots, chunk_layer.unsqueeze(0))
 
+    # ---- which path moves the data ---------------------------------------------------------------
+    def bind_kernel(self, kv_caches: Sequence[torch.Tensor], policy: str = "auto",
+                    ext: Any = None) -> "KernelVerdict":
+        """Decides, once, whether the compiled kernel moves this layout's data on the caches' device:
+        `policy` "auto" (after a self-check on a scratch copy of the caches' layout; a mismatch is logged,
+        counted and the torch path used), "on" (the same check; a mismatch or a missing kernel is an error),
+        "off" (torch path). `ext`: the kernel to check (default: the CUDA extension on a GPU; tests give the
+        kernel source compiled for the host). Without `ext`, caches off a GPU keep the compiled CPU op,
+        which CI tests directly."""
+        from lmcache_vllm.layouts.kernel_check import choose_kernel  # it builds on this module
+        caches = self._check_caches(kv_caches)
+        with self._bind_lock:
+            verdict, chosen = choose_kernel(self, caches, policy, ext)
+            self._bound = (caches[0].device, chosen, verdict) if verdict.bound else None
+        return verdict
+
+    def _kernel_for(self, caches: list[torch.Tensor]) -> Any:
+        """The compiled op for this copy, or None for the torch path."""
+        device = caches[0].device
+        if ops.mode() == "torch":
+            return None
+        bound = self._bound
+        if device.type == "cuda" and (bound is None or bound[0] != device):
+            with self._bind_lock:  # first copy on this GPU: the kernel is trusted only after its check (once)
+                if self._bound is None or self._bound[0] != device:
+                    self.bind_kernel(caches)
+            bound = self._bound
+        if bound is not None and bound[0] == device:
+            return bound[1]
+        return ops.compiled_for(device, self.op_code)
+
     # ---- internals -------------------------------------------------------------------------------
     def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor) -> None:
         device = caches[0].device
-        ext = ops.compiled_for(device, self.op_code)
+        ext = self._kernel_for(caches)
         if ext is not None and chunk.device.type == "cpu" and device.type != "cpu" and not chunk.is_pinned():
             ext = None  # the kernels reach host memory only through a pinned chunk's device alias
-        plan, device_slots = self._plan_for(slots, device, need_plan=ext is None)
         if ext is not None:
-            error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
-            if error:
-                raise LayoutError(f"{self.name}: {error}")
-            return
-        pos, token_slots = plan.token_pos.to(device), device_slots.index_select(0, plan.token_pos.to(device))
-        if gather:
-            staged = chunk
-            if chunk.device != device:
-                # Rows of skipped slots keep their contents: start from the chunk's own bytes then.
-                staged = chunk.to(device) if plan.has_holes else torch.empty(chunk.shape, dtype=chunk.dtype,
-                                                                             device=device)
-            for cache, out_layer in zip(caches, staged):
-                self._gather_planned(cache, plan, pos, token_slots, out_layer)
-            if staged is not chunk:
-                chunk.copy_(staged, non_blocking=True)
+            self.kernel_transfer(ext, gather, caches, slots, chunk)
         else:
-            chunk = chunk.to(device, non_blocking=True)
-            for cache, chunk_layer in zip(caches, chunk):
+            self.torch_transfer(gather, caches, slots, chunk)
+
+    def kernel_transfer(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                        chunk: torch.Tensor) -> None:
+        """One gather (caches -> chunk) or scatter of checked inputs through the compiled op `ext`."""
+        if self.op_code is None:
+            raise LayoutError(f"{self.name}: no compiled op moves this layout")
+        _, device_slots = self._plan_for(slots, caches[0].device, need_plan=False)
+        error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
+        if error:
+            raise LayoutError(f"{self.name}: {error}")
+
+    def torch_transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                       chunk: torch.Tensor) -> None:
+        """The same through the layout's torch code (via a device staging chunk between a GPU and host
+        memory)."""
+        device = caches[0].device
+        plan, device_slots = self._plan_for(slots, device, need_plan=True)
+        if plan is None:
+            raise AssertionError("_plan_for(need_plan=True) gave no plan")
+        pos, token_slots = plan.token_pos.to(device), device_slots.index_select(0, plan.token_pos.to(device))
+        staged = chunk.device != device or self.stage_on_cpu
+        if gather:
+            target = torch.empty(chunk.shape, dtype=chunk.dtype, device=device) if staged else chunk
+            for cache, out_layer in zip(caches, target):
+                self._gather_planned(cache, plan, pos, token_slots, out_layer)
+            if staged:  # rows of skipped slots are not copied: they keep the chunk's own bytes
+                copy_to_host(target, chunk, valid_runs(slots) if plan.has_holes else None)
+        else:
+            source = chunk
+            if staged:  # on the current stream, before the scatters that read it
+                source = torch.empty(chunk.shape, dtype=chunk.dtype, device=device)
+                source.copy_(chunk, non_blocking=True)
+            for cache, chunk_layer in zip(caches, source):
                 self._scatter_planned(chunk_layer, cache, plan, pos, token_slots)
 
     def _gather_planned(self, cache: torch.Tensor, plan: SlotPlan, pos: torch.Tensor, token_slots: torch.Tensor,

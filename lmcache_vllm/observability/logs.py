@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 
+from lmcache_vllm.config.redact import redact_url
+
 DEFAULT_INTERVAL_S = 60.0
 
 _lock = threading.Lock()
@@ -61,7 +63,7 @@ def describe_config(config, *, layout: object = None, world_size: int = 1, role:
         tiers.append(f"L2 disk {config.local_disk} {_gib(config.max_local_disk_size)}"
                      f"{' O_DIRECT' if extra.disk_direct_io else ''}{' fsync' if extra.disk_fsync else ''}")
     if config.remote_url:
-        tiers.append(f"L3 {safe_url(config.remote_url)} prefix {extra.remote_key_prefix!r}")
+        tiers.append(f"L3 {redact_url(config.remote_url)} prefix {extra.remote_key_prefix!r}")
     flags = {"layerwise": config.use_layerwise, "async save": extra.async_save and not config.use_layerwise,
              "save_unfull_chunk": config.save_unfull_chunk, "save_decode_cache": config.save_decode_cache,
              "kv events": config.enable_kv_events,
@@ -78,12 +80,3 @@ def describe_config(config, *, layout: object = None, world_size: int = 1, role:
     parts.append(f"on: {', '.join(on) or '-'}; off: {', '.join(off) or '-'}")
     return "lmcache-vllm: " + ", ".join(parts)
 
-
-def safe_url(url: str) -> str:
-    """The URL without its password."""
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url)
-    if parsed.password is None:
-        return url
-    return parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)).geturl()

@@ -65,8 +65,11 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
        "server lives in the scheduler's process", scope="engine"),
     _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
-    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, or more tokens than "
-       "max_model_len (answered 0 hits or dropped)"),
+    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, a field out of range, "
+       "more tokens than max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 "
+       "to a command)"),
+    _c("lookup_server_restarts", "events", "Times a worker's lookup server loop failed outside any one "
+       "message (a ZMQ error) and started serving again"),
     _c("uncacheable_requests", "requests", "Requests neither looked up nor saved because what decides "
        "their KV besides token ids cannot be named in a key (reason: mm_unidentified, lora_unreadable, "
        "error_<exception>)", ("reason",), scope="engine"),
@@ -108,6 +111,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _c("cuda_kernel_fallbacks", "layouts", "KV layouts whose copies use the torch path on a GPU although "
+       "extra_config.cuda_kernel is auto: the CUDA kernel gave other bytes than the torch path on a scratch "
+       "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),
     _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
        "blocking_timeout_secs; what had not arrived was recomputed"),
     _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
@@ -152,6 +158,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
     _g("resident_chunks", "chunks", "Chunks a tier holds now", _T),
+    _g("unprotected_shared_tier", "state", "1 while a tier others can write (Redis; a disk directory "
+       "configured as shared) stores chunks without a keyed MAC: whoever can write it can plant KV the "
+       "model reads (set LMCACHE_VLLM_CHUNK_MAC_KEY), else 0", _T, agg="max"),
     _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
        "once), else 0", _T, agg="max"),
     _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),

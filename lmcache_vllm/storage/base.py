@@ -39,6 +39,12 @@ class StorageBackend(abc.ABC):
         shared storage belongs to this process; `mac` is the keyed MAC chunks carry outside memory."""
         return None
 
+    @classmethod
+    def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
+        """Who besides this process can write the tier `config` configures (None: nobody): such a tier
+        needs a chunk MAC, or anyone who can write it plants KV the model reads (`registry`)."""
+        return None
+
     @abc.abstractmethod
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """Existence of each key, answered in one batch."""

@@ -16,7 +16,7 @@ import os
 from typing import Callable, Optional
 
 from lmcache_vllm.observability import logs
-from lmcache_vllm.storage import codec
+from lmcache_vllm.storage import codec, disk_dir
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,9 @@ def pread_full(fd: int, dest: memoryview, offset: int) -> None:
 def read_chunk(path: str, key: str, alloc, mac=None):
     """The chunk stored in file `path` under `key`, read straight into memory from `alloc(shape, dtype)`
     (None when `alloc` has none); `codec.CorruptEntry` when the file is not that chunk (or not signed
-    with `mac`, a `codec.ChunkMac`, when given)."""
-    fd = os.open(path, os.O_RDONLY)
+    with `mac`, a `codec.ChunkMac`, when given; `disk_dir.NotRegularFile`, one too, when a symbolic
+    link, FIFO or anything but a regular file stands there)."""
+    fd = disk_dir.open_regular(path)
     try:
         head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
         header = codec.parse_header(head, key)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.observability import metrics
 
 MAGIC = b"LMCV"
@@ -59,6 +60,13 @@ MAX_KEY_BYTES = 4096
 MAX_NDIM = 8
 # Readers fetch this many bytes first; every header with key <= MAX_KEY_BYTES fits.
 MAX_HEADER_SIZE = FIXED_SIZE + MAX_KEY_BYTES + 8 * MAX_NDIM
+# Bounds on what a header may claim, checked before any of it is used (a header with a recomputed
+# checksum is anyone's to write on a shared tier): padding up to 64 KiB (disk files pad to 4 KiB), each
+# dimension below 2**31, and a payload of at most 64 GiB (a chunk of 256 tokens of a 400B model is
+# ~130 MB). A claim beyond them is `CorruptEntry`, never an allocation of what it says.
+MAX_HEADER_LEN = 1 << 16
+MAX_DIM = (1 << 31) - 1
+MAX_PAYLOAD_BYTES = 1 << 36
 
 # Stable codes: never renumber, only append.
 _DTYPE_CODES = {
@@ -87,6 +95,7 @@ class ChunkMac:
         import blake3
 
         material = secret.encode() if isinstance(secret, str) else bytes(secret)
+        remember_secret(secret)  # redacted from any text we show from now on
         if not material:
             raise ValueError("the chunk MAC secret is empty")
         self._blake3 = blake3.blake3
@@ -145,6 +154,9 @@ def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
     if tensor.dim() > MAX_NDIM:
         raise ValueError(f"tensor has {tensor.dim()} dims, more than {MAX_NDIM}")
     payload = payload_view(tensor)
+    if payload.nbytes > MAX_PAYLOAD_BYTES or any(dim > MAX_DIM for dim in tensor.shape):
+        raise ValueError(f"tensor {tuple(tensor.shape)} is beyond what a reader accepts "
+                         f"({MAX_PAYLOAD_BYTES} bytes, dimensions up to {MAX_DIM})")
     if payload_checksum is None:
         payload_checksum = checksum(payload)
     shape = tuple(tensor.shape)
@@ -191,8 +203,10 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
         raise CorruptEntry("bad magic: not a stored chunk")
     if fmt != FORMAT_VERSION:
         raise CorruptEntry(f"stored format version {fmt}, this build reads {FORMAT_VERSION}")
-    if key_len > MAX_KEY_BYTES or ndim > MAX_NDIM:
-        raise CorruptEntry(f"implausible header (key length {key_len}, ndim {ndim})")
+    if key_len > MAX_KEY_BYTES or ndim > MAX_NDIM or header_len > MAX_HEADER_LEN \
+            or payload_len > MAX_PAYLOAD_BYTES:
+        raise CorruptEntry(f"implausible header (key length {key_len}, ndim {ndim}, header length "
+                           f"{header_len}, payload length {payload_len})")
     body_end = FIXED_SIZE + key_len + 8 * ndim
     if header_len < body_end or len(view) < body_end:
         raise CorruptEntry("truncated chunk header")
@@ -211,6 +225,8 @@ def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
     if expected_key is not None and key != expected_key:
         raise CorruptEntry(f"entry holds key {key!r}, expected {expected_key!r}")
     shape = struct.unpack_from(f"<{ndim}Q", body, key_len)
+    if any(dim > MAX_DIM for dim in shape):
+        raise CorruptEntry(f"implausible shape {shape}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if math.prod(shape) * itemsize != payload_len:
         raise CorruptEntry(f"shape {shape} x {dtype} does not match payload length {payload_len}")

@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from lmcache_vllm.config.fields import ConfigError, Problem
+from lmcache_vllm.storage.disk_dir import NotRegularFile, open_regular
+
 USAGE_FILE = ".lmcache-usage"
 _COUNT = struct.Struct("<Q")
 
@@ -55,7 +58,11 @@ class SharedDiskBudget:
     def __init__(self, path: str, max_bytes: int):
         self.path = os.path.join(path, USAGE_FILE)
         self.max_bytes = int(max_bytes)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # never through a symbolic link: the count would be written into the link's target
+            self._fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except NotRegularFile as exc:
+            raise ConfigError([Problem("local_disk", path, f"{exc}; {USAGE_FILE} must be a regular file "
+                                       "(remove what stands there)")]) from None
         self._thread_lock = threading.Lock()  # flock excludes other open files, not our own threads
 
     @contextmanager

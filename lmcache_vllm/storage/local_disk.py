@@ -43,7 +43,7 @@ import xxhash
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
-from lmcache_vllm.storage import chunk_file, codec
+from lmcache_vllm.storage import chunk_file, codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
 from lmcache_vllm.storage.tier import Tier
@@ -80,11 +80,18 @@ class LocalDiskBackend(StorageBackend):
             return None
         extra = config.extra_config
         return cls(config.local_disk, config.max_local_disk_bytes, io_threads=extra.disk_io_threads,
-                   fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac)
+                   fsync=extra.disk_fsync, key_filter=key_filter, direct_io=extra.disk_direct_io, mac=mac,
+                   shared=extra.local_disk_shared)
+
+    @classmethod
+    def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
+        if config.local_disk and config.extra_config.local_disk_shared:
+            return f"{config.local_disk} is configured as shared with other users"
+        return None
 
     def __init__(self, path: str, max_bytes: int, *, io_threads: int = 8, write_threads: int = 4,
                  fsync: bool = False, key_filter: Optional[Callable[[str], bool]] = None,
-                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None):
+                 direct_io: bool = True, mac: Optional[codec.ChunkMac] = None, shared: bool = False):
         # O_DIRECT writes skip the page cache: no copy, no page-cache pages to fault in (measured here:
         # 256 MiB cost 0.24-0.75 s of CPU buffered, 0.01 s direct). Turned off for good the first
         # time the file system refuses it (tmpfs does).
@@ -96,9 +103,9 @@ class LocalDiskBackend(StorageBackend):
         self.fsync = fsync
         self.key_filter = key_filter
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        if os.stat(self.path).st_uid == os.getuid():
-            os.chmod(self.path, 0o700)
+        # Created 0700; one another user owns or others can write is refused unless `shared`.
+        disk_dir.prepare_directory(self.path, shared)
+        self.shared = shared  # others may write it: without `mac`, they can plant chunks
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, tuple[str, int]]" = OrderedDict()  # key -> (file name, size), LRU first
         self._used = 0  # bytes of the files in our index (the directory's total is in `_budget`)
@@ -129,7 +136,7 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if not entry.name.endswith(SUFFIX):
                     continue
-                item = self._scan_file(entry)
+                item = self._check_file(entry.name)
                 if item is not None:
                     found.append(item)
         found.sort(key=lambda item: item[0])
@@ -144,21 +151,20 @@ class LocalDiskBackend(StorageBackend):
             if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
                 self._evict(usage.used - self.max_bytes, usage)
 
-    def _scan_file(self, entry: os.DirEntry):
-        try:
-            st = entry.stat()
-        except OSError:
-            return None
-        return self._check_file(entry.name, st)
-
-    def _check_file(self, name: str, st: os.stat_result, expected_key: Optional[str] = None):
+    def _check_file(self, name: str, expected_key: Optional[str] = None):
         """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
-        one of our format is removed; anything else is left alone)."""
+        one of our format is removed; anything else, a symbolic link or FIFO included, is left alone)."""
         try:
-            with open(os.path.join(self.path, name), "rb") as f:
-                head = f.read(codec.MAX_HEADER_SIZE)
+            fd = disk_dir.open_regular(os.path.join(self.path, name))
+        except (OSError, disk_dir.NotRegularFile):
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, codec.MAX_HEADER_SIZE, 0)
         except OSError:
             return None
+        finally:
+            os.close(fd)
         if codec.read_format_version(head) != codec.FORMAT_VERSION:
             return None  # another format (or not ours): leave it alone
         try:
@@ -179,16 +185,10 @@ class LocalDiskBackend(StorageBackend):
 
     def _adopt(self, key: str, writing: bool = False) -> Optional[tuple[str, int]]:
         """On an index miss: the key's file written by another live process sharing the directory is
-        indexed (one stat when there is no such file; a header read when there is). `writing`: asked
+        indexed (one failed open when there is no such file; a header read when there is). `writing`: asked
         by our own write of the key, which then skips writing it."""
         name = filename_for(key)
-        try:
-            st = os.stat(os.path.join(self.path, name))
-        except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        item = self._check_file(name, st, key)
+        item = self._check_file(name, key)
         if item is None:
             return None
         with self._lock:
@@ -378,13 +378,16 @@ class LocalDiskBackend(StorageBackend):
 
     def _commit(self, tmp: str, final: str, size: int) -> bool:
         """Renames a written chunk file into place, in one transaction with the evictions the shared cap
-        needs for it (another process's files only when the directory would be over its cap)."""
+        needs for it (another process's files only when the directory would be over its cap). Another
+        writer of the same key may have committed its file meanwhile (both found none when they began):
+        ours replaces it, and only the difference is counted, so the key's bytes count once."""
         with self._budget.transaction() as usage:
-            over = usage.used + size - self.max_bytes
+            over = usage.used + size - _regular_file_size(final) - self.max_bytes
             if over > 0 and not self._evict(over, usage):
                 return False
+            replaced = _regular_file_size(final)  # (the eviction may just have removed it)
             os.rename(tmp, final)
-            usage.used += size
+            usage.used += size - replaced
             return True
 
     def _no_direct_io(self, what: str) -> None:
@@ -415,7 +418,16 @@ class LocalDiskBackend(StorageBackend):
 
     def gauges(self) -> dict[str, float]:
         return {"resident_chunks": len(self._index), "used_bytes": self._used,
-                "capacity_bytes": self.max_bytes}
+                "capacity_bytes": self.max_bytes, "unprotected_shared_tier": int(self.shared and self.mac is None)}
+
+
+def _regular_file_size(path: str) -> int:
+    """The size of the regular file at `path`; 0 when there is none (or something else is there)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _release_result(cfut: Future) -> None:

@@ -137,6 +137,11 @@ class PrefetchHandle:
         if not lower_pending:  # everything it will hold is known now
             self.set_located(_in_l1(ready))
         self.cancelled = False
+        # Set by the lower-tier phase when it is over, however it ended. Not the future's state: a
+        # cancelled future says done at once, while the task on the loop may still be reading.
+        self._finished = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
 
     def attach(self, future: concurrent.futures.Future) -> None:
         """The lower-tier phase, started after the handle exists (it reports back to the handle)."""
@@ -160,15 +165,25 @@ class PrefetchHandle:
             self._located_event.wait(timeout)
         return self._located
 
+    def finished(self) -> None:
+        """Called on the storage loop when the lower-tier phase is over (read, failed or cancelled)."""
+        with self._callbacks_lock:
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        """Whether the reads are over: nothing of this prefetch runs any more (also after a cancel)."""
+        return self._future is None or self._finished.is_set()
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
         """`callback()` once the reads are over (at once if they are); runs on the storage loop."""
-        if self._future is None:
-            callback()
-        else:
-            self._future.add_done_callback(lambda _: callback())
+        with self._callbacks_lock:
+            if self._future is not None and not self._finished.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Number of keys (from the first) in L1 once the prefetch is done; 0 on timeout or cancel."""
@@ -182,7 +197,8 @@ class PrefetchHandle:
             return self._ready
 
     def cancel(self) -> bool:
-        """Stops the reads and releases every hold of this prefetch (the request went away)."""
+        """Stops the reads and releases every hold of this prefetch (the request went away); `done()`
+        says when the reads have actually stopped."""
         self.cancelled = True
         cancelled = self._future.cancel() if self._future is not None else False
         if self._release is not None:

@@ -107,17 +107,26 @@ class LowerTierReads:
     async def _prefetch(self, keys: Sequence[str], owner: int, handle: PrefetchHandle,
                         ready: int) -> int:
         """Phase two of a prefetch: asks the lower tiers where `keys` are (bounded by the lookup
-        timeout: no answer in time is no hit), tells the handle, then reads and holds that prefix."""
+        timeout: no answer in time is no hit), tells the handle, then reads and holds that prefix.
+        Tells the handle when it is over, however it ends (`handle.done()`)."""
         try:
-            where = await asyncio.wait_for(self._locate(keys), self.lookup_timeout)
-        except asyncio.TimeoutError:
-            metrics.inc("storage_timeouts", op="lookup")
-            where = [None] * len(keys)
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
-        if n == 0:
-            return 0
-        objs = await self._fetch(keys[:n], where[:n])
-        for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
-            self._holds.hold(owner, key, obj)
-        return len(objs)
+            try:
+                where = await asyncio.wait_for(self._locate(keys), self.lookup_timeout)
+            except asyncio.TimeoutError:
+                metrics.inc("storage_timeouts", op="lookup")
+                where = [None] * len(keys)
+            if handle.cancelled:
+                # Before Python 3.12, wait_for returns the tiers' answer when the cancel came just as
+                # they answered, swallowing it: without this check the prefetch of a request that went
+                # away read every chunk into the arena anyway.
+                raise asyncio.CancelledError()
+            n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+            handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
+            if n == 0:
+                return 0
+            objs = await self._fetch(keys[:n], where[:n])
+            for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
+                self._holds.hold(owner, key, obj)
+            return len(objs)
+        finally:
+            handle.finished()

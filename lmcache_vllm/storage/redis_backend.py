@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.config.redact import redact_text, redact_url, remember_secret, url_password
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.tier import Tier
@@ -61,6 +62,10 @@ class RedisBackend(StorageBackend):
                     mac: Optional[codec.ChunkMac] = None) -> Optional[RedisBackend]:
         return cls(config, mac=mac) if config.remote_url else None
 
+    @classmethod
+    def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
+        return "every instance and anyone who can reach the Redis server writes it" if config.remote_url else None
+
     def __init__(self, config: LMCacheConfig, *, mac: Optional[codec.ChunkMac] = None,
                  breaker_base_secs: float = 0.5):
         """The Redis named by `config.remote_url`, with the `extra_config.remote_*` settings; `mac`: the
@@ -71,6 +76,7 @@ class RedisBackend(StorageBackend):
             raise ValueError("RedisBackend needs remote_url")
         url = config.remote_url
         self.url = url
+        remember_secret(url_password(url))  # redacted from any text we show from now on
         self.mac = mac
         self.prefix = extra.remote_key_prefix
         self.ttl_ms = int(extra.remote_ttl_secs * 1000) if extra.remote_ttl_secs else None
@@ -97,6 +103,9 @@ class RedisBackend(StorageBackend):
             socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0))
         self._client = aioredis.Redis(connection_pool=pool)
 
+    def __repr__(self) -> str:
+        return f"RedisBackend({redact_url(self.url)!r}, prefix={self.prefix!r})"
+
     # ---- circuit breaker ------------------------------------------------------------------------
     @property
     def breaker_open(self) -> bool:
@@ -113,14 +122,14 @@ class RedisBackend(StorageBackend):
 
     def _succeeded(self) -> None:
         if self._retry_at is not None:
-            logger.info("redis at %s reachable again", self._client.connection_pool)
+            logger.info("redis at %s reachable again", redact_url(self.url))
         self._retry_at, self._failures, self._probing = None, 0, False
 
     def _failed(self, exc: BaseException) -> None:
         delay = min(self.breaker_max, self.breaker_base * (2 ** self._failures))
         if self._failures == 0:
             logger.warning("redis call failed (%s: %s); treating redis as down for %.1fs",
-                           type(exc).__name__, exc, delay)
+                           type(exc).__name__, redact_text(str(exc)), delay)
         self._failures += 1
         self._retry_at = time.monotonic() + delay
         self._probing = False
@@ -133,6 +142,7 @@ class RedisBackend(StorageBackend):
             if read:
                 metrics.inc("failed_reads", tier=self.name)
             return default
+        probe = self._retry_at is not None  # let through while open: this call is the probe
         try:
             coro = make_coro()
             result = await (asyncio.wait_for(coro, self.timeout * chunks) if chunks else coro)
@@ -145,6 +155,11 @@ class RedisBackend(StorageBackend):
             except Exception:  # dropping dead sockets is best effort
                 pass
             return default
+        finally:
+            # A probe that ended neither way (cancelled: its request was aborted, or shutdown) said
+            # nothing about Redis; it must give the probe slot back, or no call would ever be let through.
+            if probe and self._retry_at is not None:
+                self._probing = False
         self._succeeded()
         return result
 
@@ -309,4 +324,4 @@ class RedisBackend(StorageBackend):
         self._encode_pool.shutdown(wait=True)
 
     def gauges(self) -> dict[str, float]:
-        return {"breaker_open": int(self.breaker_open)}
+        return {"breaker_open": int(self.breaker_open), "unprotected_shared_tier": int(self.mac is None)}

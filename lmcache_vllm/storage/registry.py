@@ -5,20 +5,30 @@ subclass whose `from_config` says whether the configuration enables it, plus one
 `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks: `extra_config.chunk_mac_key`,
 else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred: vLLM logs its
 kv_connector_extra_config at start-up).
+
+Tiers others can write (`unprotected_tiers`: Redis, which every instance and anyone who reaches it can
+write; a disk directory configured as shared) without a MAC key let anyone plant KV the model reads:
+building them then logs one warning saying so and how to fix it, or, with
+`extra_config.require_chunk_mac`, refuses to start (`ConfigError`). See docs/SECURITY.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Callable, Mapping, Optional
 
-from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.config import ConfigError, LMCacheConfig
+from lmcache_vllm.config.fields import Problem
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.redis_backend import RedisBackend
+from lmcache_vllm.observability import logs
+
+logger = logging.getLogger(__name__)
 
 GB = 1 << 30
 MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
@@ -34,6 +44,31 @@ def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None
     return ChunkMac(secret) if secret else None
 
 
+def unprotected_tiers(config: LMCacheConfig, mac: Optional[ChunkMac]) -> dict[str, str]:
+    """The configured tiers others can write that would store chunks without a MAC: tier -> who can."""
+    if mac is not None:
+        return {}
+    found = {backend.name.value: backend.writable_by_others(config) for backend in LOWER_TIERS}
+    return {tier: who for tier, who in found.items() if who}
+
+
+def check_chunk_mac(config: LMCacheConfig, mac: Optional[ChunkMac]) -> None:
+    """One warning when a tier others can write stores chunks without a MAC; `ConfigError` instead with
+    `extra_config.require_chunk_mac`."""
+    exposed = unprotected_tiers(config, mac)
+    if not exposed:
+        return
+    what = "; ".join(f"{tier}: {why}" for tier, why in exposed.items())
+    fix = (f"set a secret in {MAC_KEY_ENV} (e.g. `export {MAC_KEY_ENV}=$(lmcache-vllm keygen)`), the same on "
+           f"every instance sharing the tier; see docs/SECURITY.md")
+    if config.extra_config.require_chunk_mac:
+        raise ConfigError([Problem("extra_config.require_chunk_mac", True, f"no chunk MAC key, and others can "
+                                   f"write these tiers ({what}): {fix}")])
+    logs.warn(logger, "chunk_mac_missing", "lmcache-vllm: chunks carry no keyed MAC, and others can write "
+              "these tiers (%s): whoever can write them can plant KV that the model then reads. To fix: %s. "
+              "extra_config.require_chunk_mac: true refuses to start without a MAC key.", what, fix)
+
+
 def build_allocator(config: LMCacheConfig) -> HostAllocator:
     size_bytes = config.max_local_cpu_bytes
     if not config.local_cpu and size_bytes <= 0:
@@ -47,6 +82,7 @@ def build_lower_tiers(config: LMCacheConfig,
     """The lower tiers the config enables, slowest last. A backend that fails to start closes the ones
     already built before the error propagates (nothing is left open)."""
     mac = chunk_mac(config)
+    check_chunk_mac(config, mac)
     tiers: list[StorageBackend] = []
     try:
         for backend_type in LOWER_TIERS:

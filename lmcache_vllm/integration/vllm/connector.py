@@ -92,7 +92,10 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
                       fingerprint=identity.fingerprint, pp_size=layout.pp_size, pp_rank=layout.pp_rank)
     if plan is not None and plan.multi and kv_cache_config is not None:
         return build_grouped_engine(config, vllm_config, kv_caches, kv_cache_config, plan.groups, keys)
-    return CacheEngine(config, layout_for(vllm_config, kv_cache_config, kv_caches), keys)
+    kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
+    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
+    return CacheEngine(config, kv_layout, keys)
 
 
 class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):

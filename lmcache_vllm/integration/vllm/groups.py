@@ -133,6 +133,8 @@ def build_grouped_engine(config: "LMCacheConfig", vllm_config: "VllmConfig", kv_
                                            keys.for_group(group.tag, kv_dtype=state_dtypes), storage, caches[-1]))
             else:
                 layout = layout_for(vllm_config, kv_cache_config, views)
+                # As for a single group (connector.build_cache_engine): a GPU kernel only after its self-check.
+                layout.bind_kernel(caches[-1], config.extra_config.cuda_kernel)
                 engines.append(CacheEngine(config, layout, keys.for_group(group.tag), storage=storage))
     except Exception:
         storage.close()

@@ -28,9 +28,12 @@ channel carries commands to every rank (`LookupClient.command`, e.g. clearing th
 
 Isolation on a shared host: the sockets live in a private directory (`private_socket_dir`: mode 0700,
 owned by this user, refused otherwise) and are chmod 0600; the server drops any message larger than a
-lookup can be (`zmq.MAXMSGSIZE`), answers 0 to more tokens than `max_tokens` (vLLM's max_model_len) and
-to malformed payloads. With pipeline parallelism every (pp, tp) rank serves its own socket and the
-client takes the minimum over all of them (a prefix is usable only if every stage holds its layers).
+lookup can be (`zmq.MAXMSGSIZE`), checks every field (a start beyond the tokens sent, more tokens than
+`max_tokens` (vLLM's max_model_len), bytes that do not parse) and answers anything it refuses, or an
+answer that does not fit the wire, with an error reply (0 hits; -1 to a command). No message can stop
+the server thread; should its loop fail anyway (a ZMQ error), it is counted and serves again. With
+pipeline parallelism every (pp, tp) rank serves its own socket and the client takes the minimum over
+all of them (a prefix is usable only if every stage holds its layers).
 """
 from __future__ import annotations
 
@@ -197,27 +200,36 @@ class LookupServer:
         self._thread.start()
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | None:
-        if len(frames) == 4 and frames[2] == _CMD and len(frames[1]) == _U64.size:
-            identity, seq, _, name = frames
-            return [identity, seq, _I64.pack(self.command(name.decode("utf-8", "replace")))]
-        if len(frames) != 6 or len(frames[1]) != _U64.size or len(frames[3]) != _U64.size:
-            metrics.inc("lookup_rejected")
-            logs.warn(logger, "malformed_lookup", "malformed lookup request (%d frames) ignored", len(frames))
-            return None
-        identity, seq, req_id, start, payload, extra_bytes = frames
+        """The reply to one message: its answer, or for anything malformed or failing an error reply
+        (0 hits; -1 to a command) that names the message's sequence number. Never raises."""
+        if len(frames) < 2:
+            return None  # no peer identity and nothing else: nobody to answer
+        identity, seq = frames[0], frames[1] if len(frames[1]) == _U64.size else b""
+        is_command = len(frames) == 4 and frames[2] == _CMD
         try:
-            if len(req_id) > _MAX_REQ_ID:
-                raise ValueError(f"request id of {len(req_id)} bytes")
-            tokens = decode_tokens(payload)
-            if len(tokens) > self.max_tokens:
-                raise ValueError(f"{len(tokens)} tokens, at most {self.max_tokens}")
-            query = LookupQuery(req_id.decode("utf-8"), tokens, _U64.unpack(start)[0],
-                                ExtraKeys.from_bytes(extra_bytes))
-        except ValueError as exc:  # UnicodeDecodeError is one too
+            if is_command and seq:
+                return [identity, seq, _I64.pack(self.command(frames[3].decode("utf-8", "replace")))]
+            if len(frames) != 6 or not seq or len(frames[3]) != _U64.size:
+                raise ValueError(f"{len(frames)} frames, not a lookup request")
+            return [identity, seq, self.lookup(self._query(frames[2:])).encode()]
+        except Exception as exc:  # ValueError (bad fields), struct.error (an answer out of range), ...
             metrics.inc("lookup_rejected")
-            logs.warn(logger, "malformed_lookup", "malformed lookup request (%s); answering 0 hits", exc)
-            return [identity, seq, LookupAnswer(0).encode()]
-        return [identity, seq, self.lookup(query).encode()]
+            logs.warn(logger, "malformed_lookup", "malformed lookup message or answer (%s: %s); "
+                      "answering with an error", type(exc).__name__, exc)
+            return [identity, seq, _I64.pack(-1) if is_command else LookupAnswer(0).encode()]
+
+    def _query(self, fields: list[bytes]) -> LookupQuery:
+        """A lookup request's fields (request id, start, tokens, extra keys), each checked."""
+        req_id, start_bytes, payload, extra_bytes = fields
+        if len(req_id) > _MAX_REQ_ID:
+            raise ValueError(f"request id of {len(req_id)} bytes")
+        tokens = decode_tokens(payload)
+        if len(tokens) > self.max_tokens:
+            raise ValueError(f"{len(tokens)} tokens, at most {self.max_tokens}")
+        start = _U64.unpack(start_bytes)[0]
+        if start > len(tokens):  # vLLM's own hit never exceeds the prompt (and this bounds it below 2**63)
+            raise ValueError(f"start {start} beyond the {len(tokens)} tokens sent")
+        return LookupQuery(req_id.decode("utf-8"), tokens, start, ExtraKeys.from_bytes(extra_bytes))
 
     def lookup(self, query: LookupQuery) -> LookupAnswer:
         try:
@@ -232,12 +244,31 @@ class LookupServer:
             logger.warning("unknown lookup-channel command %r", name)
             return -1
         try:
-            return int(fn())
+            result = int(fn())
         except Exception:
             logger.exception("command %r failed", name)
             return -1
+        if not -2**63 <= result < 2**63:
+            logger.warning("command %r answered %d, beyond the wire's int64", name, result)
+            return -1
+        return result
 
     def _serve(self) -> None:
+        """The server thread: serves until closed. Every message is answered by `_answer`, which never
+        raises; should serving fail anyway (a ZMQ error receiving or sending), the failure is counted
+        (`lookup_server_restarts`) and serving starts again, so lookups never stop for good."""
+        while not self._stop.is_set():
+            try:
+                self._serve_until_stopped()
+            except Exception:
+                if self._stop.is_set():
+                    break
+                metrics.inc("lookup_server_restarts")
+                logs.warn(logger, "lookup_server_restart", "lookup server failed; serving again",
+                          exc_info=True)
+                self._stop.wait(0.01)  # a fault that repeats at once must not spin a core
+
+    def _serve_until_stopped(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
@@ -247,10 +278,6 @@ class LookupServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
             reply = self._answer(frames)
             if reply is not None:
                 self._socket.send_multipart(reply)

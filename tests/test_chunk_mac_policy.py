@@ -1,0 +1,85 @@
+"""Tiers that others can write (Redis; a disk directory configured as shared) without a chunk MAC key: one
+warning at start saying so and how to fix it, the `unprotected_shared_tier` gauge, and
+`extra_config.require_chunk_mac: true` refusing to start. `lmcache-vllm keygen` prints a fresh key."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lmcache_vllm import cli
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.config import ConfigError, LMCacheConfig
+from lmcache_vllm.storage import codec
+from lmcache_vllm.storage.manager import StorageManager
+from lmcache_vllm.storage.registry import MAC_KEY_ENV
+
+MiB = 1 << 20
+
+
+def config(**kw) -> LMCacheConfig:
+    extra = kw.pop("extra", {})
+    return LMCacheConfig(max_local_cpu_size=4 * MiB / (1 << 30), extra_config={"close_drain_secs": 1.0, **extra},
+                         **kw)
+
+
+def mac_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "MAC" in r.getMessage()]
+
+
+def test_keygen_prints_a_fresh_key(capsys):
+    keys = []
+    for _ in range(2):
+        assert cli.main(["keygen"]) == cli.EXIT_OK
+        keys.append(capsys.readouterr().out.strip())
+    assert keys[0] != keys[1] and len(keys[0]) >= 43 and keys[0].isascii() and " " not in keys[0]
+    codec.ChunkMac(keys[0])  # usable as the secret as printed
+
+
+def test_shared_tiers_without_a_mac_key_warn_once_and_are_counted(tmp_path, redis_server, redis_prefix, caplog,
+                                                                   monkeypatch):
+    monkeypatch.delenv(MAC_KEY_ENV, raising=False)
+    caplog.set_level(logging.WARNING)
+    shared = tmp_path / "shared"
+    cfg = config(local_disk=str(shared), max_local_disk_size=0.01, remote_url=redis_server.url,
+                 extra={"remote_key_prefix": redis_prefix, "local_disk_shared": True})
+    with StorageManager(cfg):
+        (warning,) = mac_warnings(caplog)
+        assert "redis" in warning and "local_disk" in warning and MAC_KEY_ENV in warning and "keygen" in warning
+        assert "require_chunk_mac" in warning
+        snap = metrics.snapshot()
+        assert metrics.value("unprotected_shared_tier", snap, tier="redis") == 1
+        assert metrics.value("unprotected_shared_tier", snap, tier="local_disk") == 1
+
+
+@pytest.mark.parametrize("setup", ["key_in_env", "key_in_config", "private_disk_only"])
+def test_no_warning_when_nothing_others_can_write_goes_unsigned(tmp_path, redis_server, redis_prefix, caplog,
+                                                                monkeypatch, setup):
+    monkeypatch.delenv(MAC_KEY_ENV, raising=False)
+    caplog.set_level(logging.WARNING)
+    extra = {"remote_key_prefix": redis_prefix, "require_chunk_mac": True}
+    kw: dict = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    if setup == "key_in_env":
+        monkeypatch.setenv(MAC_KEY_ENV, "a fleet secret")
+    elif setup == "key_in_config":
+        extra["chunk_mac_key"] = "a fleet secret"
+    if setup != "private_disk_only":
+        kw["remote_url"] = redis_server.url
+    with StorageManager(config(extra=extra, **kw)):
+        assert mac_warnings(caplog) == []
+        snap = metrics.snapshot()
+        assert all(metrics.value("unprotected_shared_tier", snap, tier=t) == 0 for t in ("redis", "local_disk"))
+
+
+@pytest.mark.parametrize("tier", ["redis", "shared_disk"])
+def test_require_chunk_mac_refuses_to_start(tmp_path, redis_server, redis_prefix, monkeypatch, tier):
+    monkeypatch.delenv(MAC_KEY_ENV, raising=False)
+    extra = {"remote_key_prefix": redis_prefix, "require_chunk_mac": True}
+    if tier == "redis":
+        cfg = config(remote_url=redis_server.url, extra=extra)
+    else:
+        cfg = config(local_disk=str(tmp_path / "d"), max_local_disk_size=0.01,
+                     extra={**extra, "local_disk_shared": True})
+    with pytest.raises(ConfigError, match="require_chunk_mac") as refused:
+        StorageManager(cfg)
+    assert MAC_KEY_ENV in str(refused.value)
