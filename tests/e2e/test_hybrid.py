@@ -83,36 +83,47 @@ def chunk_file(disk: Path, tokens: list[int], chunk: int, group: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(swa_model, work) -> dict[str, dict]:
+def written(swa_model, work) -> dict[str, Any]:
+    """The writer and its like-with-like reference (two vLLM starts: fixtures of two starts each keep every
+    setup well inside pytest's per-test timeout on a loaded machine)."""
     disk = work / "disk"
     writer_job = job(swa_model, disk, WRITER_PHASES)
     writer = h.run_job(work, "writer", writer_job)
-    # Two copies of what the writer stored: EVICTED loses its sliding-window chunk 2 in one and its
-    # full-attention chunk 2 in the other (a 1024 hit needs sliding chunks 2 and 3: 1024 - 511 -> block 4).
+    reference = h.run_job(work, "reference", h.replay(("writer", writer_job),
+                                                      ("fresh", job(swa_model, None, FRESH_PHASES))))
+    return {"writer": writer, "reference": reference, "disk": disk}
+
+
+@pytest.fixture(scope="module")
+def reloaded(swa_model, work, written) -> dict[str, dict]:
+    """Fresh processes on two copies of what the writer stored: EVICTED loses its sliding-window chunk 2 in
+    one and its full-attention chunk 2 in the other (a 1024 hit needs sliding chunks 2 and 3: 1024 - 511 ->
+    block 4)."""
     evicted_disk, pruned_disk = work / "disk_evicted", work / "disk_pruned"
-    shutil.copytree(disk, evicted_disk)
-    shutil.copytree(disk, pruned_disk)
+    shutil.copytree(written["disk"], evicted_disk)
+    shutil.copytree(written["disk"], pruned_disk)
     chunk_file(evicted_disk, EVICTED, 2, SLIDING_TAG).unlink()
     chunk_file(pruned_disk, EVICTED, 2, FULL_TAG).unlink()
     evicted = h.run_job(work, "evicted", job(swa_model, evicted_disk, FRESH_PHASES + EVICTED_PHASES),
                         hash_seed=1)
     pruned = h.run_job(work, "pruned", job(swa_model, pruned_disk, EVICTED_PHASES), hash_seed=2)
-    reference = h.run_job(work, "reference", h.replay(("writer", writer_job),
-                                                      ("fresh", job(swa_model, None, FRESH_PHASES))))
-    return {"writer": writer, "evicted": evicted, "pruned": pruned, "reference": reference, "disk": disk}
+    return {"evicted": evicted, "pruned": pruned}
 
 
-def test_vllm_keeps_its_hybrid_manager_on_with_our_connector(runs):
-    for name in ("writer", "evicted", "pruned", "reference"):
+def assert_hybrid_manager_on(runs: dict[str, Any], *names: str) -> None:
+    for name in names:
         kv = runs[name]["kv_cache"]
         assert kv["hybrid_manager"], name
         assert kv["groups"] == ["FullAttentionSpec", "SlidingWindowSpec"], name
-    log = Path(runs["writer"]["log"]).read_text()
-    assert "Turning off hybrid kv cache manager" not in log
+        assert "Turning off hybrid kv cache manager" not in Path(runs[name]["log"]).read_text(), name
 
 
-def test_hits_shorter_equal_and_longer_than_the_window_give_vllms_tokens(runs):
-    run, ref = runs["writer"], runs["reference"]
+def test_vllm_keeps_its_hybrid_manager_on_with_our_connector(written):
+    assert_hybrid_manager_on(written, "writer", "reference")
+
+
+def test_hits_shorter_equal_and_longer_than_the_window_give_vllms_tokens(written):
+    run, ref = written["writer"], written["reference"]
     for name, hit in (("longer", 1024), ("equal", 512), ("shorter", 256)):
         ours = h.phase(run, name)[0]
         assert ours["num_cached_tokens"] == hit, name
@@ -128,25 +139,26 @@ def test_hits_shorter_equal_and_longer_than_the_window_give_vllms_tokens(runs):
     assert stats["loaded_tokens"] == 1024 + 512 + 256
 
 
-def test_chunks_of_each_group_are_stored_under_their_own_keys(runs):
+def test_chunks_of_each_group_are_stored_under_their_own_keys(written):
     for chunk in range(4):
-        full = chunk_file(runs["disk"], PROMPT, chunk, FULL_TAG)
-        sliding = chunk_file(runs["disk"], PROMPT, chunk, SLIDING_TAG)
+        full = chunk_file(written["disk"], PROMPT, chunk, FULL_TAG)
+        sliding = chunk_file(written["disk"], PROMPT, chunk, SLIDING_TAG)
         assert full != sliding
 
 
-def test_a_fresh_process_loads_from_disk_like_with_like(runs):
-    ours = h.phase(runs["evicted"], "fresh")[0]
+def test_a_fresh_process_loads_from_disk_like_with_like(written, reloaded):
+    assert_hybrid_manager_on(reloaded, "evicted", "pruned")
+    ours = h.phase(reloaded["evicted"], "fresh")[0]
     assert ours["num_cached_tokens"] == 1024
-    h.assert_like_with_like(ours, h.phase(runs["reference"], "fresh/fresh")[0], what="fresh")
+    h.assert_like_with_like(ours, h.phase(written["reference"], "fresh/fresh")[0], what="fresh")
 
 
-def test_an_evicted_sliding_chunk_shortens_the_hit_and_never_gives_wrong_tokens(runs):
-    evicted = h.phase(runs["evicted"], "evicted")[0]
-    pruned = h.phase(runs["pruned"], "evicted")[0]
+def test_an_evicted_sliding_chunk_shortens_the_hit_and_never_gives_wrong_tokens(reloaded):
+    evicted = h.phase(reloaded["evicted"], "evicted")[0]
+    pruned = h.phase(reloaded["pruned"], "evicted")[0]
     assert evicted["num_cached_tokens"] == pruned["num_cached_tokens"] == 512
-    assert runs["evicted"]["stats"][f"group_limited_hits.{SLIDING_TAG}"] == 1
-    assert f"group_limited_hits.{SLIDING_TAG}" not in runs["pruned"]["stats"]
+    assert reloaded["evicted"]["stats"][f"group_limited_hits.{SLIDING_TAG}"] == 1
+    assert f"group_limited_hits.{SLIDING_TAG}" not in reloaded["pruned"]["stats"]
     # The same bytes loaded with the same split, reached by the sliding group's limit in one process and
     # by the full-attention prefix in the other.
     assert evicted["tokens"] == pruned["tokens"]
