@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -78,6 +78,14 @@ class HeldPrefix:
         """Whether every chunk located is read and held (nothing left to wait for)."""
         return self.handle.done()
 
+    def wait(self, timeout: float | None) -> None:
+        """Waits (at most `timeout` s) until every chunk located is read and held."""
+        self.handle.wait(timeout)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """`callback()` once the reads are over (at once if they are)."""
+        self.handle.add_done_callback(callback)
+
     def release(self) -> None:
         self.handle.cancel()
 
@@ -118,14 +126,25 @@ class CacheEngine:
 
     def __init__(self, config: LMCacheConfig, layout: PagedKVLayout, key_builder: KeyBuilder,
                  storage: StorageManager | None = None):
+        """`storage`: a StorageManager shared with other engines (the KV cache groups of one model, each
+        keyed by its group tag: `key_builder.template.group`), else the engine builds its own."""
         self.config = config
         self.layout = layout
         self.keys = key_builder
+        # One group of a multi-group model counts its tokens per group; the model's totals are counted once
+        # by whoever drives the groups (`grouped_engine.py`).
+        self._group = key_builder.template.group
         self._owns_storage = storage is None
         self.storage = storage if storage is not None else StorageManager(config)
         self._releases = DeferredRelease()  # chunks read by copies still in flight on a GPU
 
     # ------------------------------------------------------------------ helpers
+    def _count(self, what: str, tokens: int) -> None:
+        if self._group:
+            metrics.inc(f"group_{what}_tokens", tokens, group=self._group)
+        else:
+            metrics.inc(f"{what}_tokens", tokens)
+
     def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
         return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial, extra)]
 
@@ -260,7 +279,7 @@ class CacheEngine:
                 stored += chunk.num_tokens
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for _, obj in gathered])
-        metrics.inc("stored_tokens", stored)
+        self._count("stored", stored)
         return stored
 
     def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
@@ -280,7 +299,7 @@ class CacheEngine:
                 loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
         finally:  # the chunks go back once the (GPU) stream has read them
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
-        metrics.inc("loaded_tokens", int(loaded.sum()))
+        self._count("loaded", int(loaded.sum()))
         return loaded
 
     def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
@@ -311,7 +330,7 @@ class CacheEngine:
             for chunk, obj in zip(chunks, objs):
                 self.storage.put(chunk.key, obj)
                 stored += chunk.num_tokens
-            metrics.inc("stored_tokens", stored)
+            self._count("stored", stored)
             return stored
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
@@ -331,7 +350,7 @@ class CacheEngine:
             for chunk in plan.chunks:
                 loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
                 slots.append(self._masked_slots(slot_mapping, mask, chunk))
-            metrics.inc("loaded_tokens", int(loaded.sum()))
+            self._count("loaded", int(loaded.sum()))
             yield loaded
             for layer in range(self.layout.num_layers):
                 for obj, chunk_slots in zip(plan.objs, slots):

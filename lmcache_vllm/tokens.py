@@ -26,8 +26,10 @@ Scheme (format "tokens/v1" with "extras/v1"; a change of it must change `TOKEN_H
   depend on PYTHONHASHSEED or on vLLM's per-process block-hash seed.
 
 `CacheKey` adds what makes a stored chunk usable: a short model name and the model fingerprint (see
-`integration/vllm/fingerprint.py`), tensor- and pipeline-parallel size and rank, KV dtype and
-stored-format version. `to_str()` gives a string safe for file names and Redis keys.
+`integration/vllm/fingerprint.py`), tensor- and pipeline-parallel size and rank, KV dtype, stored-format
+version and, for a model whose layers vLLM splits into several KV cache groups, the group (`kv_groups.py`:
+which kind of layers, which layers). `to_str()` gives a string safe for file names and Redis keys; a key
+without a group (every single-group model) reads exactly as before groups existed.
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ class ChunkHasher:
         return out
 
 
-_KEY_RE = re.compile(r"^([^@]+)@([0-9a-f]*|-)@tp(\d+)\.(\d+)@pp(\d+)\.(\d+)@([^@]+)@v(\d+)@([0-9a-f]+)$")
+_KEY_RE = re.compile(r"^([^@]+)@([0-9a-f]*|-)@tp(\d+)\.(\d+)@pp(\d+)\.(\d+)@([^@]+)@v(\d+)"
+                     r"(?:@g-([a-z0-9.-]+))?@([0-9a-f]+)$")
+_GROUP_RE = re.compile(r"^[a-z0-9.-]*$")  # a group tag: safe in file names and Redis keys as it is
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class CacheKey:
     fingerprint: str = dataclasses.field(default="", kw_only=True)  # hex; "" = none given
     pp_size: int = dataclasses.field(default=1, kw_only=True)  # pipeline-parallel size and rank
     pp_rank: int = dataclasses.field(default=0, kw_only=True)
+    # The KV cache group whose layers the chunk holds (`kv_groups.KVGroup.tag`); "" = all layers of the model.
+    group: str = dataclasses.field(default="", kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -193,25 +199,29 @@ class CacheKey:
             raise ValueError(f"fmt_version must be an int >= 0, got {self.fmt_version!r}")
         if not isinstance(self.digest, bytes) or not self.digest:
             raise ValueError(f"digest must be non-empty bytes, got {self.digest!r}")
+        if not isinstance(self.group, str) or not _GROUP_RE.match(self.group):
+            raise ValueError(f"group must be a str of [a-z0-9.-], got {self.group!r}")
 
     def to_str(self) -> str:
-        """`model@fingerprint@tp<size>.<rank>@pp<size>.<rank>@kv_dtype@v<fmt>@<hex digest>` (fingerprint
-        "-" when none); model and dtype percent-escaped, so the string holds no '/', '@' or ':' of its
-        own and is safe as a file name or Redis key."""
+        """`model@fingerprint@tp<size>.<rank>@pp<size>.<rank>@kv_dtype@v<fmt>[@g-<group>]@<hex digest>`
+        (fingerprint "-" when none; the group part only for a chunk of one KV cache group of a multi-group
+        model); model and dtype percent-escaped, so the string holds no '/', '@' or ':' of its own and is
+        safe as a file name or Redis key."""
+        group = f"@g-{self.group}" if self.group else ""
         return (f"{quote(self.model, safe='')}@{self.fingerprint or '-'}@tp{self.world_size}.{self.rank}"
                 f"@pp{self.pp_size}.{self.pp_rank}@{quote(self.kv_dtype, safe='')}@v{self.fmt_version}"
-                f"@{self.digest.hex()}")
+                f"{group}@{self.digest.hex()}")
 
     @classmethod
     def from_str(cls, s: str) -> "CacheKey":
         match = _KEY_RE.match(s) if isinstance(s, str) else None
         if match is None:
             raise ValueError(f"not a CacheKey string: {s!r}")
-        model, fingerprint, tp, rank, pp, pp_rank, kv_dtype, fmt, digest = match.groups()
+        model, fingerprint, tp, rank, pp, pp_rank, kv_dtype, fmt, group, digest = match.groups()
         try:
             return cls(unquote(model), int(tp), int(rank), unquote(kv_dtype), int(fmt), bytes.fromhex(digest),
                        fingerprint="" if fingerprint == "-" else fingerprint, pp_size=int(pp),
-                       pp_rank=int(pp_rank))
+                       pp_rank=int(pp_rank), group=group or "")
         except ValueError as exc:
             raise ValueError(f"not a CacheKey string: {s!r} ({exc})") from None
 
@@ -234,14 +244,22 @@ def dtype_name(dtype) -> str:
 
 class KeyBuilder:
     """Turns token ids (+ extra keys) into `(CacheKey, start, end)` for one model / TP and PP rank /
-    KV dtype / format."""
+    KV dtype / format / KV cache group."""
 
     def __init__(self, model: str, world_size: int, rank: int, kv_dtype, fmt_version: int,
-                 hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0):
+                 hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0,
+                 group: str = ""):
         self.hasher = hasher
         self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0",
-                                 fingerprint=fingerprint, pp_size=pp_size, pp_rank=pp_rank)
+                                 fingerprint=fingerprint, pp_size=pp_size, pp_rank=pp_rank, group=group)
         self._fields = dict(self.template.__dict__)
+
+    def for_group(self, group: str, kv_dtype: object = None) -> "KeyBuilder":
+        """The same keys for another KV cache group's chunks (another tag, optionally another dtype)."""
+        t = self.template
+        return KeyBuilder(t.model, t.world_size, t.rank, t.kv_dtype if kv_dtype is None else kv_dtype,
+                          t.fmt_version, self.hasher, fingerprint=t.fingerprint, pp_size=t.pp_size,
+                          pp_rank=t.pp_rank, group=group)
 
     @property
     def chunk_size(self) -> int:

@@ -185,3 +185,22 @@ def test_stats_reads_our_metrics_from_an_exposition(capsys):
     text = format_summary(s)
     assert "4.0 MiB" in text and "load_seconds" in text and "host" in text
     json.dumps(s)  # --json output
+
+
+def test_inspect_counts_the_kv_cache_groups_of_a_hybrid_model(tmp_path, make_chunk, capsys):
+    def grouped(i: int, group: str) -> str:
+        return CacheKey("gemma3", 1, 0, "bfloat16", FORMAT_VERSION, i.to_bytes(16, "big"), fingerprint="ef56",
+                        group=group).to_str()
+
+    keys = [grouped(i, "full.l5.11") for i in range(3)] + [grouped(i, "swa1024.l0-4.6-10") for i in range(2)]
+    fill(LMCacheConfig(max_local_cpu_size=0.01, local_disk=str(tmp_path), max_local_disk_size=0.01),
+         keys + [key("llama", 0)], make_chunk)
+    rc, out = run(capsys, "inspect", "--disk", str(tmp_path), "--json")
+    report = json.loads(out)
+    assert rc == cli.EXIT_OK and report["chunks"] == 6
+    groups = report["namespaces"]["gemma3@ef56"]["groups"]
+    assert {g: c["chunks"] for g, c in groups.items()} == {"full.l5.11": 3, "swa1024.l0-4.6-10": 2}
+    one_chunk = groups["full.l5.11"]["bytes"] // 3
+    assert report["namespaces"]["llama@ab12"]["groups"] == {"-": {"chunks": 1, "bytes": one_chunk}}
+    rc, out = run(capsys, "inspect", "--disk", str(tmp_path))
+    assert "KV cache group" in out and "swa1024.l0-4.6-10" in out

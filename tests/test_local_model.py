@@ -51,3 +51,13 @@ def test_refuses_unknown_size_and_foreign_directories(tmp_path):
     (foreign / "notes.txt").write_text("not a model")
     with pytest.raises(FileExistsError):
         build_model("tiny", foreign)
+
+
+def test_hybrid_recipes_leave_the_digests_of_the_others_alone(tmp_path):
+    # Built models are cached by digest: adding the hybrid recipes' fields must not rebuild existing ones.
+    assert RECIPES["tiny"].digest() == "0bd14f90c396" and RECIPES["medium"].digest() == "2c3fec6244a6"
+    swa = RECIPES["tiny-swa"]
+    assert swa.digest() != RECIPES["tiny"].digest() and swa.sliding_window == 512
+    config = json.loads((build_model("tiny-swa", tmp_path / "swa") / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "sliding_attention"] * 2
+    assert config["sliding_window"] == 512

@@ -35,8 +35,9 @@ STABLE = [
     ("load_requests", "counter", (),
      'Requests the scheduler planned a load for'),
     ("async_load_requests", "counter", (),
-     'Loads planned asynchronously: the hit needed the disk or Redis tier, so the request waited'
-     ' (WAITING_FOR_REMOTE_KVS) while vLLM ran the others'),
+     'Loads planned asynchronously: the hit needed the disk or Redis tier (or the model has '
+     'several KV cache groups), so the request waited (WAITING_FOR_REMOTE_KVS) while vLLM ran '
+     'the others'),
     ("pending_lookups", "counter", (),
      "Lookups answered 'ask again' because a slower tier had not said yet where the chunks are;"
      ' vLLM ran the other requests that step'),
@@ -48,6 +49,16 @@ STABLE = [
      'Tokens planned to load that could not be; vLLM recomputes them (summed over TP ranks)'),
     ("stored_tokens", "counter", (),
      'Tokens whose KV was newly stored (counted on TP rank 0)'),
+    ("group_loaded_tokens", "counter", ('group',),
+     'Tokens loaded into one KV cache group of a model with several (hybrid: full attention, '
+     "sliding window, Mamba state); a sliding group loads only the window before the hit's end "
+     '(counted on TP rank 0)'),
+    ("group_stored_tokens", "counter", ('group',),
+     'Tokens newly stored for one KV cache group of a model with several (a state group: one '
+     "state per chunk boundary counts as the chunk's tokens; counted on TP rank 0)"),
+    ("group_limited_hits", "counter", ('group',),
+     'Lookups whose hit a KV cache group cut short: the full-attention chunks ran further than '
+     "this group's chunks (sliding window) or states allowed"),
     ("store_skipped_tokens", "counter", (),
      'Tokens handed to a store whose chunks were stored already'),
     ("failed_stores", "counter", (),

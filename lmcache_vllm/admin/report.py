@@ -1,6 +1,8 @@
 """What `inspect` finds in a tier (`TierReport`), built chunk by chunk, and how the CLI prints results:
 `--json` for scripts, aligned tables for people. A chunk's namespace is `model@fingerprint` from its
-key (`CacheKey.from_str`); `--model` filters match the whole namespace or the model name alone."""
+key (`CacheKey.from_str`); `--model` filters match the whole namespace or the model name alone. A model
+with several KV cache groups (hybrid: sliding window, Mamba states) is also counted per group (the key's
+group tag, e.g. `swa4096.l1.3`; "-" for a model with one group)."""
 from __future__ import annotations
 
 import json
@@ -31,13 +33,23 @@ def namespace_matches(namespace: str | None, wanted: str | None) -> bool:
 
 
 @dataclass
+class GroupReport:
+    chunks: int = 0
+    bytes: int = 0
+
+
+@dataclass
 class NamespaceReport:
     chunks: int = 0
     bytes: int = 0
     oldest: float | None = None  # unix time (disk: file mtime; redis: now - idle time)
     newest: float | None = None
+    groups: dict[str, GroupReport] = field(default_factory=dict)  # by KV cache group tag ("-": one group)
 
-    def add(self, size: int, when: float | None) -> None:
+    def add(self, size: int, when: float | None, group: str = "") -> None:
+        counts = self.groups.setdefault(group or "-", GroupReport())
+        counts.chunks += 1
+        counts.bytes += size
         self.chunks += 1
         self.bytes += size
         if when is not None:
@@ -64,7 +76,11 @@ class TierReport:
 
     def add_chunk(self, key: str, size: int, when: float | None) -> None:
         namespace = namespace_of(key) or "?"
-        self.namespaces.setdefault(namespace, NamespaceReport()).add(size, when)
+        try:
+            group = CacheKey.from_str(key).group
+        except ValueError:
+            group = ""
+        self.namespaces.setdefault(namespace, NamespaceReport()).add(size, when, group)
         self.chunks += 1
         self.bytes += size
         if when is not None:
@@ -107,6 +123,10 @@ def format_report(report: TierReport) -> str:
         rows = [(ns, r.chunks, human_bytes(r.bytes), _when(r.oldest), _when(r.newest))
                 for ns, r in sorted(report.namespaces.items())]
         lines += ["", table(("namespace (model@fingerprint)", "chunks", "bytes", "oldest", "newest"), rows)]
+        grouped = [(ns, group, g.chunks, human_bytes(g.bytes)) for ns, r in sorted(report.namespaces.items())
+                   for group, g in sorted(r.groups.items()) if group != "-" or len(r.groups) > 1]
+        if grouped:
+            lines += ["", table(("namespace", "KV cache group", "chunks", "bytes"), grouped)]
     if len(report.nodes) > 1:
         lines += ["", table(("node", "chunks"), sorted(report.nodes.items()))]
     checked = "headers, sizes and payload checksums" if report.verified else "headers and sizes"

@@ -79,7 +79,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "the tier holding them (counted once per scheduled load)", _T, scope="engine"),
     _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
     _c("async_load_requests", "requests", "Loads planned asynchronously: the hit needed the disk or Redis "
-       "tier, so the request waited (WAITING_FOR_REMOTE_KVS) while vLLM ran the others", scope="engine"),
+       "tier (or the model has several KV cache groups), so the request waited (WAITING_FOR_REMOTE_KVS) while "
+       "vLLM ran the others", scope="engine"),
     _c("pending_lookups", "requests", "Lookups answered 'ask again' because a slower tier had not said "
        "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
     _c("retrieves_below_minimum", "requests", "Hits not loaded because they would load fewer new tokens "
@@ -90,6 +91,15 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("failed_load_tokens", "tokens", "Tokens planned to load that could not be; vLLM recomputes them "
        "(summed over TP ranks)"),
     _c("stored_tokens", "tokens", "Tokens whose KV was newly stored (counted on TP rank 0)",
+       scope="engine"),
+    _c("group_loaded_tokens", "tokens", "Tokens loaded into one KV cache group of a model with several "
+       "(hybrid: full attention, sliding window, Mamba state); a sliding group loads only the window before the "
+       "hit's end (counted on TP rank 0)", ("group",), scope="engine"),
+    _c("group_stored_tokens", "tokens", "Tokens newly stored for one KV cache group of a model with several "
+       "(a state group: one state per chunk boundary counts as the chunk's tokens; counted on TP rank 0)",
+       ("group",), scope="engine"),
+    _c("group_limited_hits", "requests", "Lookups whose hit a KV cache group cut short: the full-attention "
+       "chunks ran further than this group's chunks (sliding window) or states allowed", ("group",),
        scope="engine"),
     _c("store_skipped_tokens", "tokens", "Tokens handed to a store whose chunks were stored already",
        scope="engine"),

@@ -13,6 +13,10 @@ from prefill instances; `pd/` holds that part.
 vLLM builds one instance per role: the SCHEDULER one (in the EngineCore process) delegates to
 `scheduler.SchedulerHalf`, each WORKER one (one per tensor-parallel rank) to `worker.WorkerHalf`. The
 two talk only through `LMCacheConnectorMetadata` and the lookup sockets of `lookup.py`.
+
+It is a `SupportsHMA` connector, so vLLM keeps its hybrid KV cache manager on for models with several KV
+cache groups (sliding window, Mamba / linear attention): `groups.py` plans the groups, keys and chunks
+carry the group, a hit is what every group can serve (docs/MODELS.md).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -32,6 +37,7 @@ from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
+from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
 from lmcache_vllm.integration.vllm.lookup import LookupClient
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailureAgreement, check_supported,
@@ -48,6 +54,9 @@ if TYPE_CHECKING:
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    from lmcache_vllm.grouped_engine import GroupedEngine
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -66,9 +75,10 @@ _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
 def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor],
-                       layout: ParallelLayout, kv_cache_config: "KVCacheConfig | None" = None) -> "CacheEngine":
+                       layout: ParallelLayout, kv_cache_config: "KVCacheConfig | None" = None,
+                       plan: GroupPlan | None = None) -> "CacheEngine | GroupedEngine":
     """The `CacheEngine` for one worker rank, keyed by the model's identity (`fingerprint.py`), KV dtype,
-    TP and PP size and rank."""
+    TP and PP size and rank; for a model with several KV cache groups (`plan`) a `GroupedEngine`."""
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.storage.codec import FORMAT_VERSION
@@ -76,9 +86,6 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
     caches = list(kv_caches.values())
-    kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
-    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
-    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
     hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
     identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
@@ -88,10 +95,15 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     keys = KeyBuilder(model=identity.name, world_size=layout.tp_size, rank=layout.tp_rank,
                       kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher,
                       fingerprint=identity.fingerprint, pp_size=layout.pp_size, pp_rank=layout.pp_rank)
+    if plan is not None and plan.multi and kv_cache_config is not None:
+        return build_grouped_engine(config, vllm_config, kv_caches, kv_cache_config, plan.groups, keys)
+    kv_layout = layout_for(vllm_config, kv_cache_config, kv_caches)
+    # On a GPU: the kernel is used only once it gave the torch path's bytes on a scratch copy of this layout.
+    kv_layout.bind_kernel(caches, config.extra_config.cuda_kernel)
     return CacheEngine(config, kv_layout, keys)
 
 
-class LMCacheConnector(KVConnectorBase_V1):
+class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves vLLM's KV into tiered storage and loads cached prefixes back (see module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -102,6 +114,11 @@ class LMCacheConnector(KVConnectorBase_V1):
         kv_role = transfer.kv_role or "kv_both"
         self.can_load = kv_role in _LOADING_ROLES
         self.can_save = kv_role in _SAVING_ROLES
+        plan = self._groups = plan_groups(kv_cache_config)
+        if plan.disabled:
+            # vLLM serves the model as without us: caching it would need what vLLM does not keep.
+            logger.warning("LMCacheConnector does not cache this model: %s", plan.disabled)
+            self.can_load = self.can_save = False
         if transfer.kv_load_failure_policy != "recompute":
             # A cache miss must never fail a request: a chunk that cannot be loaded is recomputed.
             logger.info("LMCacheConnector sets kv_load_failure_policy='recompute' (was %r)",
@@ -123,7 +140,9 @@ class LMCacheConnector(KVConnectorBase_V1):
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
                              can_save=self.can_save)
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
-                                            can_load=self.can_load, can_save=self.can_save, pd=pd)
+                                            can_load=self.can_load, can_save=self.can_save, pd=pd,
+                                            groups=SchedulerGroups(plan.groups, self.config.chunk_size)
+                                            if plan.multi else None)
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
@@ -139,7 +158,7 @@ class LMCacheConnector(KVConnectorBase_V1):
 
             self._worker = WorkerHalf(
                 config, engine_factory=lambda caches: build_cache_engine(config, vllm_config, caches, layout,
-                                                                         kv_cache_config),
+                                                                         kv_cache_config, plan),
                 block_size=block_size,
                 # A PD producer answers only once its chunks are in the shared tier (save_pipeline.py).
                 durable_saves=kv_role == "kv_producer",
@@ -172,6 +191,8 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._groups.disabled:
+            return  # nothing is cached: the worker half stays without an engine (every call a no-op)
         self._worker.register_kv_caches(kv_caches)
         # The one start-up line with the resolved configuration (each worker rank, once).
         logger.info("%s, %d layers", logs.describe_config(
@@ -230,6 +251,14 @@ class LMCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        # vLLM 0.32: a model with several KV cache groups reports a failed load as a failed receive (vLLM
+        # recomputes the request); block-level errors cannot be mapped for it.
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            results.failed_recving |= self._worker.take_failed_recving()
+        return results
+
     # ============================================================== KV events (events.py)
     def get_kv_connector_kv_cache_events(self):
         if self._worker is None or not self.config.enable_kv_events:
@@ -275,6 +304,12 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM calls this instead of request_finished. Block ids do not matter to the answer
+        # (saves read the tables each step carried).
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def get_external_cache_hit_sources(self, request: "Request",
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:

@@ -12,22 +12,27 @@
   (a hole on one rank corrupts every rank's KV through the all-reduce). A layerwise load that fails at a
   later layer counts as a failure of its whole range.
 While paused (vLLM released the KV cache) nothing is copied: loads are reported failed (recompute).
+A model with several KV cache groups (`grouped_engine.GroupedEngine`) loads asynchronously only, every group
+at once (`groups.load_parts`); a load that could not fill every group is reported as a failed receive
+(`take_failed_recving`): vLLM 0.32 cannot map block errors of such a model, and recomputes the request.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, OpenPeer, RequestLoads
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
+from lmcache_vllm.integration.vllm.groups import load_parts
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, slot_mapping_for
 from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
+    from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +43,14 @@ FailureAgreement = Callable[[list[bool]], list[bool]]
 class LoadPipeline:
     """See the module docstring. One per worker rank, built once the KV cache exists."""
 
-    def __init__(self, engine: CacheEngine, kv_caches: list[torch.Tensor], layer_index: dict[str, int], *,
-                 block_size: int, use_layerwise: bool, timeout_s: float,
+    def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor],
+                 layer_index: dict[str, int], *, block_size: int, use_layerwise: bool, timeout_s: float,
                  failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None):
+        from lmcache_vllm.grouped_engine import GroupedEngine
+
         self.engine = engine
+        self.grouped = engine if isinstance(engine, GroupedEngine) else None
+        self._failed_recving: set[str] = set()  # grouped: loads to report failed (vLLM recomputes them)
         self.kv_caches = kv_caches
         self.layer_index = layer_index
         self.block_size = block_size
@@ -74,7 +83,7 @@ class LoadPipeline:
             self.requests.release(meta.release_req_ids)
         if paused:  # vLLM does not schedule while its cache is released; recompute if it ever did
             for spec in meta.loads:
-                self._load_errors.update(spec.block_ids)
+                self._not_loaded(spec)
                 if spec.is_async:
                     self._unloaded.add(spec.req_id)  # reported done (failed), never left waiting
             return
@@ -85,7 +94,7 @@ class LoadPipeline:
             held = self.requests.take(spec.req_id)
             if held is not None and not held.ready():
                 # Async loading is off and the hit needs a slower tier: wait (bounded) for its reads.
-                held.handle.wait(self.timeout_s)
+                held.wait(self.timeout_s)
             with metrics.timed("load_seconds"):
                 self._load(spec, held, self.use_layerwise)
 
@@ -103,7 +112,7 @@ class LoadPipeline:
                 idle_wait()
         for job in self.requests.ready_loads():
             if paused:  # the KV cache views are not valid: nothing may be copied in
-                self._load_errors.update(job.spec.block_ids)
+                self._not_loaded(job.spec)
                 if job.held is not None:
                     job.held.release()
             else:
@@ -112,7 +121,43 @@ class LoadPipeline:
             done.add(job.spec.req_id)
         return done
 
-    def _load(self, spec: LoadSpec, held: HeldPrefix | None, layerwise: bool) -> None:
+    def _not_loaded(self, spec: LoadSpec) -> None:
+        if self.grouped is not None:
+            self._failed_recving.add(spec.req_id)
+        else:
+            self._load_errors.update(spec.block_ids)
+
+    def _load_groups(self, spec: LoadSpec, held: GroupedHold | None) -> None:
+        """Every group's part of the load; a group left incomplete fails the whole request (recompute)."""
+        assert self.grouped is not None
+        try:
+            done = self.grouped.retrieve(spec.token_ids, load_parts(self.grouped.groups, spec), extra=spec.extra,
+                                         hold=held, lower_tiers=False)
+            ok = all(done.values())
+        except Exception:
+            logs.warn(logger, "load_failed", "request %s: load failed; vLLM will recompute", spec.req_id,
+                      exc_info=True)
+            done, ok = {}, False
+        finally:
+            if held is not None:
+                held.release()
+        if not ok:
+            self._failed_recving.add(spec.req_id)
+            self.failed.add(spec.req_id)
+            metrics.inc("failed_load_tokens", spec.load_end - spec.skip_leading)
+            logs.warn(logger, "load_incomplete", "request %s: KV cache groups %s could not be loaded; vLLM "
+                      "recomputes the request", spec.req_id, sorted(g for g, ok in done.items() if not ok) or "all")
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def _load(self, spec: LoadSpec, held: HeldPrefix | GroupedHold | None, layerwise: bool) -> None:
+        if self.grouped is not None:
+            self._load_groups(spec, cast("GroupedHold | None", held))  # a grouped engine's lookups hold these
+            return
+        held = cast("HeldPrefix | None", held)
+        engine = cast("CacheEngine", self.engine)
         num = len(spec.token_ids)
         wanted = torch.zeros(num, dtype=torch.bool)
         wanted[spec.skip_leading:spec.load_end] = True
@@ -121,13 +166,13 @@ class LoadPipeline:
         try:
             slots = slot_mapping_for(spec.block_ids, self.block_size, num)
             if layerwise:
-                retriever = self.engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra,
+                retriever = engine.retrieve_layer(tokens, self.kv_caches, slots, wanted, extra=spec.extra,
                                                        owner=owner, lower_tiers=False)
                 loaded = torch.as_tensor(next(retriever), dtype=torch.bool)
                 self._retrievers.add((spec, loaded), retriever)
             else:
                 # Memory only: the lookup's prefetch did the tier reads; none happens in the step.
-                loaded = torch.as_tensor(self.engine.retrieve(tokens, self.kv_caches, slots, wanted,
+                loaded = torch.as_tensor(engine.retrieve(tokens, self.kv_caches, slots, wanted,
                                                               extra=spec.extra, owner=owner, lower_tiers=False),
                                          dtype=torch.bool)
         except Exception:

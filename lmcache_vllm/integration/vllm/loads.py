@@ -29,6 +29,7 @@ from lmcache_vllm.integration.vllm.metadata import LoadSpec, PeerSpec
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
     from lmcache_vllm.storage.base import StorageBackend
+    from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
 
 # A prefill instance of a load (`LoadSpec.peer`) -> the tier that pulls from it (`pd/worker.py`).
 OpenPeer = Callable[[PeerSpec], "StorageBackend"]
@@ -46,7 +47,7 @@ IDLE_STEP_WAIT_S = 0.01
 
 @dataclass
 class _Lookup:
-    held: HeldPrefix
+    held: HeldPrefix | GroupedHold
     start: int
     num_tokens: int
     created: float
@@ -55,7 +56,7 @@ class _Lookup:
 @dataclass
 class AsyncLoad:
     spec: LoadSpec
-    held: HeldPrefix | None  # None when the lookup's hold is gone
+    held: HeldPrefix | GroupedHold | None  # None when the lookup's hold is gone
     deadline: float
 
 
@@ -63,7 +64,8 @@ class RequestLoads:
     """See the module docstring. Thread-safe: lookups come from the lookup server's thread (or vLLM's
     scheduler thread), loads from the worker's step."""
 
-    def __init__(self, engine: CacheEngine, *, timeout_s: float, hold_s: float, open_peer: OpenPeer | None = None):
+    def __init__(self, engine: CacheEngine | GroupedEngine, *, timeout_s: float, hold_s: float,
+                 open_peer: OpenPeer | None = None):
         self.engine = engine
         self.open_peer = open_peer
         self.timeout_s = float(timeout_s)
@@ -133,7 +135,7 @@ class RequestLoads:
         with self._lock:
             self._async[spec.req_id] = job
         if held is not None:
-            held.handle.add_done_callback(self._progress.set)
+            held.add_done_callback(self._progress.set)
 
     def pending_async(self) -> int:
         with self._lock:

@@ -6,8 +6,12 @@ per request, shared by its specs as views, so hashing and `torch.as_tensor` neve
 request's `ExtraKeys` (frozen bytes; None only where nothing is cached). Per request it carries at most one
 `LoadSpec` (copy a cached prefix into the paged KV cache before the forward, or asynchronously while
 the request waits; from a prefill instance first when it names one) and one `SaveSpec` (copy freshly
-computed KV out of the paged cache after it), and for disaggregated prefill the holds and releases of
-docs/DISAGGREGATED.md.
+computed KV out of the paged cache after it; a second one may carry only states of a multi-group model),
+and for disaggregated prefill the holds and releases of docs/DISAGGREGATED.md.
+
+Block ids: a model with one KV cache group has them in `block_ids`; a model with several (hybrid: sliding
+window, Mamba) has every group's whole table in `group_block_ids` (vLLM's group order, null blocks as 0)
+and `block_ids` empty (`groups.py` maps them).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class LoadSpec:
     extra: ExtraKeys | None = None  # the request's extra keys (LoRA, multimodal, salt, embeddings)
     is_async: bool = False
     peer: PeerSpec | None = None  # pull from this prefill instance first (disaggregated prefill)
+    group_block_ids: tuple[list[int], ...] = ()  # multi-group models: every group's block table
 
 
 @dataclass
@@ -89,6 +94,8 @@ class SaveSpec:
     is_last: bool = False
     extra: ExtraKeys | None = None
     for_peer: bool = False  # held for a decode instance: the partial last chunk too, no wait for Redis
+    group_block_ids: tuple[list[int], ...] = ()  # multi-group models: every group's block table
+    states: list[tuple[int, int, int]] = field(default_factory=list)  # (group, block, boundary) to store
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,8 @@ creates PATH.
 
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
-phase its wall time and process CPU time, and under `stats` this process's metrics (`metrics.flat`:
+phase its wall time and process CPU time, under `kv_cache` whether vLLM kept its hybrid KV cache manager
+on and (in-process engines) the kinds of its KV cache groups, and under `stats` this process's metrics (`metrics.flat`:
 `{"loaded_tokens": ..., "chunk_hits.redis": ..., "load_seconds.sum": ...}`; the scheduler and a single
 worker share this process, the workers of a TP>1 engine do not).
 """
@@ -74,6 +75,20 @@ def _wait_for_file(path: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+def _kv_cache(llm) -> dict[str, Any]:
+    """Whether vLLM runs its hybrid KV cache manager, and its KV cache groups when the engine core lives in
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    out: dict[str, Any] = {"hybrid_manager": not llm.llm_engine.vllm_config.scheduler_config.
+                           disable_hybrid_kv_cache_manager}
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        out["groups"] = [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
+        out["num_blocks"] = config.num_blocks
+    except AttributeError:  # the engine core runs in another process
+        pass
+    return out
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -102,7 +117,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
                          "ttft_s": _first_token_latency(o)} for o in outputs],
         })
-    result = {"startup_s": startup_s, "phases": phases, "stats": _connector_stats()}
+    result = {"startup_s": startup_s, "phases": phases, "kv_cache": _kv_cache(llm), "stats": _connector_stats()}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
     # process started after this one finds everything this one stored.
     t0 = time.perf_counter()

@@ -12,16 +12,17 @@
   instance (`SaveSpec.for_peer`, docs/DISAGGREGATED.md), which is pulled from L1.
 On a GPU the copies run on a side stream after an event recorded on vLLM's stream (`layouts.streams`), so
 they read the KV the forward wrote; a step waits for the device only to commit a layerwise save or a
-synchronous one.
+synchronous one. A model with several KV cache groups saves every group's part (`groups.save_parts`).
 """
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+from lmcache_vllm.integration.vllm.groups import save_parts
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps, run_to_end
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, SaveSpec, slot_mapping_for
 from lmcache_vllm.integration.vllm.saves import SaveQueue
@@ -30,6 +31,7 @@ from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:  # built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
+    from lmcache_vllm.grouped_engine import GroupedEngine
     from lmcache_vllm.layouts.streams import SideStream
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,12 @@ def _store_failed(what: str, *args: object) -> None:
 class SavePipeline:
     """See the module docstring. One per worker rank, built once the KV cache exists."""
 
-    def __init__(self, engine: CacheEngine, kv_caches: list[torch.Tensor], side: SideStream, *,
+    def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor], side: SideStream, *,
                  block_size: int, use_layerwise: bool, async_save: bool, durable: bool, timeout_s: float):
+        from lmcache_vllm.grouped_engine import GroupedEngine
+
         self.engine = engine
+        self.grouped = engine if isinstance(engine, GroupedEngine) else None
         self.kv_caches = kv_caches
         self.side = side
         self.block_size = block_size
@@ -75,9 +80,10 @@ class SavePipeline:
     def _start_layerwise(self, spec: SaveSpec) -> None:
         try:
             tokens, slots, mask = self._save_args(spec)
-            self._storers.add(spec.req_id, self.engine.store_layer(tokens, self.kv_caches, slots, mask,
-                                                                   extra=spec.extra,
-                                                                   include_partial=spec.for_peer or None))
+            engine = cast("CacheEngine", self.engine)
+            self._storers.add(spec.req_id, engine.store_layer(tokens, self.kv_caches, slots, mask,
+                                                              extra=spec.extra,
+                                                              include_partial=spec.for_peer or None))
         except Exception:
             _store_failed("request %s: store failed", spec.req_id)
 
@@ -114,10 +120,14 @@ class SavePipeline:
         for spec in saves:
             try:
                 with metrics.timed("store_seconds"):
+                    if self.grouped is not None:
+                        with self.side.after(mark):
+                            self.grouped.store(spec.token_ids, save_parts(self.grouped.groups, spec), extra=spec.extra)
+                        continue
                     tokens, slots, mask = self._save_args(spec)
                     with self.side.after(mark):  # after the forward that wrote the KV (on a GPU)
-                        self.engine.store(tokens, self.kv_caches, slots, mask, extra=spec.extra,
-                                          include_partial=spec.for_peer or None)
+                        cast("CacheEngine", self.engine).store(tokens, self.kv_caches, slots, mask, extra=spec.extra,
+                                                               include_partial=spec.for_peer or None)
             except Exception:
                 _store_failed("request %s: store failed; the chunks stay uncached", spec.req_id)
 

@@ -31,6 +31,10 @@ Rules:
   completes (`PeerHoldSpec`) and is answered with P's kv_transfer_params; a request with
   `do_remote_prefill` is answered (prompt tokens beyond vLLM's own hit, load_async) without a lookup and
   loaded asynchronously from the prefill instance first.
+- A model with several KV cache groups (hybrid: sliding window, Mamba; `groups.SchedulerGroups`): its
+  specs carry every group's block table as vLLM holds it this step, saves also the states vLLM offers at
+  chunk boundaries, and every load is asynchronous (vLLM 0.32 can report a failed load of such a model
+  only as a failed asynchronous receive; it then recomputes the request).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import numpy as np
 
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.integration.vllm.groups import SchedulerGroups
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec,
                                                     SaveSpec)
@@ -90,6 +95,7 @@ class RequestTracker:
         self.req_id: str = request.request_id
         self.prompt_len: int = request.num_prompt_tokens
         self.block_ids: list[int] = []
+        self.group_tables: tuple[list[int], ...] = ()  # multi-group models: every group's table (vLLM's)
         self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
         self.pending_load: _PendingLoad | None = None
         self.uncacheable = uncacheable
@@ -130,10 +136,11 @@ class SchedulerHalf:
     """Implements the scheduler-side methods of `KVConnectorBase_V1` for `LMCacheConnector`."""
 
     def __init__(self, config: LMCacheConfig, *, block_size: int, lookup_client: LookupClient, can_load: bool,
-                 can_save: bool, request_keys: RequestKeys | None = None, pd: PDScheduler | None = None):
+                 can_save: bool, request_keys: RequestKeys | None = None, pd: PDScheduler | None = None,
+                 groups: SchedulerGroups | None = None):
         """`config` gives chunk_size, save_unfull_chunk, save_decode_cache, enable_async_loading and
         min_retrieve_tokens; `can_load` / `can_save` come from vLLM's kv_role; `pd` answers vLLM's
-        kv_transfer_params (None: they are ignored)."""
+        kv_transfer_params (None: they are ignored); `groups`: a model with several KV cache groups."""
         if block_size <= 0:
             raise ValueError(f"block_size ({block_size}) must be positive")
         self.chunk_size = chunk_size = config.chunk_size
@@ -145,6 +152,7 @@ class SchedulerHalf:
         self.save_decode_cache = config.save_decode_cache
         self.min_retrieve_tokens = config.min_retrieve_tokens
         self.request_keys = request_keys or RequestKeys(chunk_size)
+        self.groups = groups
         self._trackers: dict[str, RequestTracker] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._warned_reasons: set[str] = set()
@@ -194,7 +202,7 @@ class SchedulerHalf:
             # let go in update_state_after_alloc, and storing the prompt skips the chunks we hold.
             metrics.inc("retrieves_below_minimum")
             return 0, False
-        lookup.load_async = self.async_loading and not answer.in_l1
+        lookup.load_async = (self.async_loading and not answer.in_l1) or self.groups is not None
         return usable - num_computed_tokens, lookup.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -223,6 +231,8 @@ class SchedulerHalf:
             # The request waits in WAITING_FOR_REMOTE_KVS: it is in no scheduled list, so the load
             # goes out with this step's metadata, into the blocks vLLM just allocated.
             tracker.block_ids = list(blocks.get_block_ids()[0])
+            if self.groups is not None:
+                tracker.group_tables = tuple(list(table) for table in blocks.get_block_ids())
             self._async_loads.append((tracker, load))
         else:
             tracker.pending_load = load
@@ -270,6 +280,7 @@ class SchedulerHalf:
             if tracker is None:  # update_state_after_alloc always runs first; be safe anyway
                 continue
             tracker.block_ids = list(new_req.block_ids[0])
+            self._refresh_tables(tracker, scheduler_output)
             self._emit_load(tracker, meta)
             kv_end = new_req.num_computed_tokens + num_scheduled.get(new_req.req_id, 0)
             self._emit_save(tracker, new_req.num_computed_tokens, kv_end, meta)
@@ -284,12 +295,16 @@ class SchedulerHalf:
             if req_id in cached.resumed_req_ids:
                 # After preemption vLLM hands the request a whole new block list.
                 tracker.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                self._refresh_tables(tracker, scheduler_output)
                 self._emit_load(tracker, meta)
             elif new_blocks is not None:
                 tracker.block_ids.extend(new_blocks[0])
+            self._refresh_tables(tracker, scheduler_output)
             computed = cached.num_computed_tokens[i]
             self._emit_save(tracker, computed, computed + num_scheduled.get(req_id, 0), meta)
             self._emit_hold(tracker, computed + num_scheduled.get(req_id, 0), meta)
+        if self.groups is not None:
+            self._emit_states(scheduler_output, meta)
         return meta
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -311,6 +326,43 @@ class SchedulerHalf:
         return True, params
 
     # ------------------------------------------------------------------ helpers
+    def _refresh_tables(self, tracker: RequestTracker, scheduler_output: "SchedulerOutput") -> None:
+        """A multi-group model: every group's table as vLLM holds it this step (blocks that left a window
+        read as the null block, so a save never copies from a block vLLM handed elsewhere)."""
+        if self.groups is None:
+            return
+        tables = self.groups.tables(scheduler_output, tracker.req_id)
+        if tables is not None:
+            tracker.group_tables = tables
+            tracker.block_ids = list(tables[0])
+
+    def _blocks(self, tracker: RequestTracker, num_tokens: int) -> tuple[list[int], tuple[list[int], ...]]:
+        """(block_ids, group_block_ids) of a spec for the request's first `num_tokens` tokens."""
+        if self.groups is not None:
+            return [], tracker.group_tables
+        return tracker.block_ids[:ceil_to(num_tokens, self.block_size) // self.block_size], ()
+
+    def _emit_states(self, scheduler_output: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+        """The states vLLM offers this step (a multi-group model with a state group) go with the request's
+        save, or with a save of their own."""
+        assert self.groups is not None
+        for req_id, states in self.groups.states(scheduler_output).items():
+            tracker = self._trackers.get(req_id)
+            if tracker is None or not self.can_save or tracker.extra is None:
+                continue
+            limit = len(tracker.request.all_token_ids) if self.save_decode_cache else tracker.prompt_len
+            states = [s for s in states if s[2] <= limit]
+            if not states:
+                continue
+            end = max(s[2] for s in states)
+            spec = next((s for s in meta.saves if s.req_id == req_id and s.num_tokens >= end), None)
+            if spec is None:
+                spec = SaveSpec(req_id=req_id, token_ids=tracker.token_ids(end), extra=tracker.extra, block_ids=[],
+                                skip_leading=end, group_block_ids=tracker.group_tables)
+                meta.saves.append(spec)
+                tracker.saves_emitted += 1
+            spec.states.extend(states)
+
     def _tracker(self, request: "Request") -> RequestTracker:
         # Created at the first lookup (before vLLM allocates), so its token array serves every later
         # lookup, load and save of the request; dropped when the request finishes.
@@ -364,10 +416,11 @@ class SchedulerHalf:
         tracker.pending_load = None
         if load is None or load.load_end <= load.skip_leading:
             return
+        block_ids, group_block_ids = self._blocks(tracker, load.fetch_len)
         meta.loads.append(LoadSpec(
             req_id=tracker.req_id, token_ids=tracker.token_ids(load.fetch_len), extra=tracker.extra,
-            block_ids=tracker.block_ids[:ceil_to(load.fetch_len, self.block_size) // self.block_size],
-            skip_leading=load.skip_leading, load_end=load.load_end, is_async=is_async, peer=tracker.peer_load))
+            block_ids=block_ids, skip_leading=load.skip_leading, load_end=load.load_end, is_async=is_async,
+            group_block_ids=group_block_ids, peer=tracker.peer_load))
         tracker.peer_load = None
         # Whole chunks we just loaded are stored already: no need to save them again.
         tracker.saved_end = max(tracker.saved_end, floor_to(load.load_end, self.chunk_size))
@@ -399,9 +452,10 @@ class SchedulerHalf:
                       "save skipped", tracker.req_id, end, len(tracker.block_ids))
             return
         tracker.saves_emitted += 1
+        block_ids, group_block_ids = self._blocks(tracker, end)
         meta.saves.append(SaveSpec(req_id=tracker.req_id, token_ids=tracker.token_ids(end), extra=tracker.extra,
-                                   block_ids=tracker.block_ids[:num_blocks], skip_leading=start,
-                                   is_last=is_last, for_peer=tracker.holds_for_peer))
+                                   block_ids=block_ids, skip_leading=start, is_last=is_last,
+                                   group_block_ids=group_block_ids, for_peer=tracker.holds_for_peer))
         tracker.saved_end = end
 
     def _emit_hold(self, tracker: RequestTracker, kv_end: int, meta: LMCacheConnectorMetadata) -> None:

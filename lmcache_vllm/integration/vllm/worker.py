@@ -13,8 +13,11 @@ drop and the releases of a decode instance sent, in `wait_for_save` (every step,
 asynchronous load naming a prefill instance pulls from it first (`loads.RequestLoads`).
 
 A lookup waits for pending saves that share its first chunk, so a prompt sent right after another still
-finds what that one stored. `pause` / `resume` (vLLM 0.33's unregister / restore of the KV cache) stop
-every copy while vLLM has released the cache. Every failure is logged and turned into a miss; none
+finds what that one stored. A model with several KV cache groups (`grouped_engine.GroupedEngine`) loads and
+saves whole steps only (no layerwise copies), and when vLLM frees blocks of running requests (sliding
+window, states) the saves handed out in a step end before the next step writes any block. `pause` /
+`resume` (vLLM 0.33's unregister / restore of the KV cache) stop every copy while vLLM has released the
+cache. Every failure is logged and turned into a miss; none
 propagates into vLLM's step.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
+    from lmcache_vllm.grouped_engine import GroupedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,8 @@ class WorkerHalf:
     `peer_factory(engine)`: this rank's disaggregated-prefill part (None: kv_transfer_params are ignored).
     """
 
-    def __init__(self, config: LMCacheConfig, *, engine_factory: Callable[[dict[str, torch.Tensor]], CacheEngine],
+    def __init__(self, config: LMCacheConfig, *,
+                 engine_factory: Callable[[dict[str, torch.Tensor]], CacheEngine | GroupedEngine],
                  block_size: int, lookup_address: str | None, max_lookup_tokens: int = 1 << 20,
                  failure_agreement: FailureAgreement | None = None, durable_saves: bool = False,
                  peer_factory: Callable[[CacheEngine], PeerTransfer] | None = None):
@@ -62,13 +67,14 @@ class WorkerHalf:
         self.durable_saves = durable_saves
         self._peer_factory = peer_factory
         self.pd: PeerTransfer | None = None
-        self.engine: CacheEngine | None = None
+        self.engine: CacheEngine | GroupedEngine | None = None
         self.load: LoadPipeline | None = None
         self.save: SavePipeline | None = None
         self.lookup_server: LookupServer | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self._paused = False
+        self._drain_every_step = False  # vLLM frees blocks of running requests (see the module docstring)
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -76,15 +82,28 @@ class WorkerHalf:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.kv_caches = list(kv_caches.values())
         from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
+        from lmcache_vllm.grouped_engine import GroupedEngine  # noqa: F811 (the runtime import of the type)
+
         engine = self.engine = self._engine_factory(kv_caches)
         config = self.config
-        self.pd = self._peer_factory(engine) if self._peer_factory is not None else None
+        layerwise = config.use_layerwise
+        if isinstance(engine, GroupedEngine):
+            self._drain_every_step = engine.frees_blocks_while_running
+            if layerwise:
+                logger.warning("use_layerwise is ignored for a model with several KV cache groups (%s): its "
+                               "loads and saves copy whole steps", engine)
+                layerwise = False
+            if self._peer_factory is not None:
+                logger.warning("disaggregated prefill (kv_transfer_params) is not served for a model with several "
+                               "KV cache groups (%s): such requests are computed by the decode instance", engine)
+        else:
+            self.pd = self._peer_factory(engine) if self._peer_factory is not None else None
         self.load = LoadPipeline(engine, self.kv_caches, self.layer_index, block_size=self.block_size,
-                                 use_layerwise=config.use_layerwise, timeout_s=config.blocking_timeout_secs,
+                                 use_layerwise=layerwise, timeout_s=config.blocking_timeout_secs,
                                  failure_agreement=self._failure_agreement,
                                  open_peer=self.pd.open_peer if self.pd is not None else None)
         self.save = SavePipeline(engine, self.kv_caches, SideStream(self.kv_caches[0].device),
-                                 block_size=self.block_size, use_layerwise=config.use_layerwise,
+                                 block_size=self.block_size, use_layerwise=layerwise,
                                  async_save=config.extra_config.async_save, durable=self.durable_saves,
                                  timeout_s=config.blocking_timeout_secs)
         if self.lookup_address is not None:
@@ -153,7 +172,9 @@ class WorkerHalf:
     def handle_preemptions(self, meta: LMCacheConnectorMetadata) -> None:
         """vLLM frees a preempted request's blocks at once and may write them this step: its saves still
         copying from them finish first. (Other requests' blocks are never rewritten under a save.)"""
-        if meta.preempted_req_ids:
+        if self._drain_every_step:
+            self.drain_saves()  # a sliding or state block a save still reads may be handed elsewhere now
+        elif meta.preempted_req_ids:
             self.drain_saves(meta.preempted_req_ids)
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
@@ -165,7 +186,7 @@ class WorkerHalf:
             self.load.wait_for_layer(layer_name)
 
     def save_kv_layer(self, meta: LMCacheConnectorMetadata, layer_name: str) -> None:
-        if not self.config.use_layerwise or self.save is None or self.load is None or self._paused:
+        if self.save is None or not self.save.use_layerwise or self.load is None or self._paused:
             return
         layer = self.layer_index.get(layer_name)
         if layer is not None:
@@ -202,3 +223,7 @@ class WorkerHalf:
 
     def take_load_errors(self) -> set[int]:
         return self.load.take_load_errors() if self.load is not None else set()
+
+    def take_failed_recving(self) -> set[str]:
+        """Asynchronous loads of a multi-group model that failed (reported finished too): vLLM recomputes them."""
+        return self.load.take_failed_recving() if self.load is not None else set()

@@ -3,8 +3,13 @@
 Tests, examples and benchmarks need a model vLLM can load; none can be downloaded here. `build_model`
 writes a randomly initialised (fixed seed) Llama in bf16 plus a tokenizer trained on the Python
 standard library's source files, into a directory keyed by the recipe, and reuses it on later calls.
+The `-swa` recipes alternate full-attention and sliding-window layers (`layer_types` and `sliding_window`
+in the config, which vLLM's Llama reads per layer): a hybrid model whose KV cache vLLM splits into a
+full-attention and a sliding-window group. `tiny-mamba` is a Granite-4-style hybrid
+(`GraniteMoeHybridForCausalLM`, dense): Mamba2 layers beside attention layers, a state group and an
+attention group.
 
-    python -m lmcache_vllm.integration.vllm.testing.local_model --out DIR [--size tiny|medium]
+    python -m lmcache_vllm.integration.vllm.testing.local_model --out DIR [--size tiny|medium|tiny-swa|...]
 """
 from __future__ import annotations
 
@@ -40,10 +45,21 @@ class ModelRecipe:
     initializer_range: float = 0.1
     seed: int = 0
     tokenizer_files: int = 200  # stdlib .py files the tokenizer trains on
+    sliding_window: int = 0  # > 0: odd layers attend to this many tokens (layer_types alternate)
+    kind: str = "llama"  # "llama" | "granite-hybrid" (odd layers attention, even layers Mamba2)
 
     def digest(self) -> str:
-        blob = json.dumps({"v": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        for name, default in (("sliding_window", 0), ("kind", "llama")):
+            if fields[name] == default:
+                del fields[name]  # the digests (and cache directories) of earlier recipes stay as they were
+        blob = json.dumps({"v": RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def layer_types(self) -> list[str] | None:
+        if not self.sliding_window:
+            return None
+        return ["sliding_attention" if i % 2 else "full_attention" for i in range(self.num_layers)]
 
 
 RECIPES = {
@@ -51,6 +67,12 @@ RECIPES = {
                         num_kv_heads=2),
     "medium": ModelRecipe("medium", hidden_size=1024, intermediate_size=2816, num_layers=8,
                           num_heads=16, num_kv_heads=4),
+    "tiny-swa": ModelRecipe("tiny-swa", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                            num_kv_heads=2, sliding_window=512),
+    "medium-swa": ModelRecipe("medium-swa", hidden_size=1024, intermediate_size=2816, num_layers=8,
+                              num_heads=16, num_kv_heads=4, sliding_window=1024),
+    "tiny-mamba": ModelRecipe("tiny-mamba", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                              num_kv_heads=2, kind="granite-hybrid"),
 }
 
 
@@ -85,9 +107,31 @@ def _build_tokenizer(recipe: ModelRecipe, out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
+def _build_granite_hybrid(recipe: ModelRecipe, out: Path) -> None:
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        layer_types=["attention" if i % 2 else "mamba" for i in range(recipe.num_layers)],
+        num_local_experts=0, shared_intermediate_size=recipe.intermediate_size, position_embedding_type="rope",
+        mamba_n_heads=8, mamba_d_head=2 * recipe.hidden_size // 8, mamba_n_groups=1, mamba_d_state=64,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, time_step_limit=(0.0, 1e30),
+        max_position_embeddings=recipe.max_position_embeddings, initializer_range=recipe.initializer_range,
+        bos_token_id=0, eos_token_id=1, pad_token_id=3, tie_word_embeddings=False, dtype="bfloat16")
+    torch.manual_seed(recipe.seed)
+    GraniteMoeHybridForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
+
+
 def _build_weights(recipe: ModelRecipe, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if recipe.kind == "granite-hybrid":
+        _build_granite_hybrid(recipe, out)
+        return
 
     cfg = LlamaConfig(
         vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
@@ -96,6 +140,9 @@ def _build_weights(recipe: ModelRecipe, out: Path) -> None:
         max_position_embeddings=recipe.max_position_embeddings,
         initializer_range=recipe.initializer_range, bos_token_id=0, eos_token_id=1,
         pad_token_id=3, tie_word_embeddings=False, torch_dtype="bfloat16")
+    if recipe.sliding_window:  # read by vLLM's Llama per layer; the weights do not depend on them
+        cfg.layer_types = recipe.layer_types()
+        cfg.sliding_window = recipe.sliding_window
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out))
