@@ -68,12 +68,12 @@ EVICTED_PHASES = [{"name": "evicted", "prompts": [EVICTED]}]
 
 def chunk_file(disk: Path, tokens: list[int], chunk: int, group: str) -> Path:
     """The L2 file of whole chunk `chunk` of `tokens` in KV cache group `group`."""
-    from lmcache_vllm.storage.local_disk import SUFFIX, _key_from_filename, filename_for
+    from lmcache_vllm.storage.chunk_file import SUFFIX, filename_for, key_from_filename
     from lmcache_vllm.tokens import CacheKey, ChunkHasher
 
     digest = ChunkHasher(h.CHUNK).digests(tokens)[chunk]
     for path in disk.glob(f"*{SUFFIX}"):
-        name = _key_from_filename(path.name)
+        name = key_from_filename(path.name)
         if name is not None:
             key = CacheKey.from_str(name)
             if key.group == group and key.digest == digest:
