@@ -26,18 +26,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from lmcache_vllm import ops
+from lmcache_vllm.layouts.errors import LayoutError
 from lmcache_vllm.layouts.streams import copy_to_host, valid_runs
 
 if TYPE_CHECKING:
     from lmcache_vllm.layouts.kernel_check import KernelVerdict
 
 
-class LayoutError(ValueError):
-    """A KV cache, chunk or slot mapping does not fit the layout it is used with."""
-
-
-class UnsupportedLayoutError(LayoutError):
-    """`detect_layout` found a KV cache layout no adapter handles."""
 
 
 @dataclass(frozen=True)

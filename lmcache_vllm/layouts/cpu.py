@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from lmcache_vllm.layouts.base import KVGeometry, LayoutError, PagedKVLayout
+from lmcache_vllm.layouts.base import KVGeometry, PagedKVLayout
+from lmcache_vllm.layouts.errors import LayoutError
 
 
 class _CpuAttnLayout(PagedKVLayout):

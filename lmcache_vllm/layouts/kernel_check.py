@@ -25,17 +25,31 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from lmcache_vllm import ops
 
 from lmcache_vllm.observability import metrics
-from lmcache_vllm.layouts.base import LayoutError
+from lmcache_vllm.layouts.errors import LayoutError
 
-if TYPE_CHECKING:
-    from lmcache_vllm.layouts.base import PagedKVLayout
+
+class CheckedLayout(Protocol):
+    """What the self-check needs of a layout. `base.PagedKVLayout` provides it and calls this module: a
+    protocol, so this module does not import the base layout back."""
+
+    name: str
+    op_code: int | None
+    geometry: Any
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]: ...
+
+    def kernel_transfer(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                        chunk: torch.Tensor) -> None: ...
+
+    def torch_transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                       chunk: torch.Tensor) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +72,7 @@ class KernelVerdict:
     bound: bool = True  # False: nothing decided here (not a GPU and no kernel given): the usual CPU choice
 
 
-def choose_kernel(layout: "PagedKVLayout", caches: list[torch.Tensor], policy: str,
+def choose_kernel(layout: CheckedLayout, caches: list[torch.Tensor], policy: str,
                   ext: Any = None) -> tuple[KernelVerdict, Any]:
     """The verdict for `layout` on `caches`' device and the kernel to use (None: the torch path)."""
     if policy not in POLICIES:
@@ -102,7 +116,7 @@ def choose_kernel(layout: "PagedKVLayout", caches: list[torch.Tensor], policy: s
     return verdict(False, problem), None
 
 
-def self_check(layout: "PagedKVLayout", caches: Sequence[torch.Tensor], ext: Any) -> str | None:
+def self_check(layout: CheckedLayout, caches: Sequence[torch.Tensor], ext: Any) -> str | None:
     """Kernel `ext` against the torch path on a scratch copy of `caches`' layout: None when every byte
     matches, else what differed first."""
     device = caches[0].device
@@ -142,7 +156,7 @@ def first_occurrences(slots: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def compare_paths(layout: "PagedKVLayout", views: list[torch.Tensor], slots: torch.Tensor, ext: Any,
+def compare_paths(layout: CheckedLayout, views: list[torch.Tensor], slots: torch.Tensor, ext: Any,
                   new_chunk: ChunkFactory, gen: torch.Generator) -> str | None:
     """Gather and scatter of `slots` over `views` through `ext` and through the torch path, all layers at
     once and layer by layer: None when both give the same bytes, else the first difference."""
@@ -174,7 +188,7 @@ def compare_paths(layout: "PagedKVLayout", views: list[torch.Tensor], slots: tor
     return None
 
 
-def _through_kernel(layout: "PagedKVLayout", ext: Any, gather: bool, views: list[torch.Tensor],
+def _through_kernel(layout: CheckedLayout, ext: Any, gather: bool, views: list[torch.Tensor],
                     slots: torch.Tensor, chunk: torch.Tensor, layerwise: bool) -> None:
     """One call for every layer, or one call per layer (the kernel's single-layer path)."""
     if not layerwise:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from lmcache_vllm.layouts.base import LayoutError
+from lmcache_vllm.layouts.errors import LayoutError
 
 
 @dataclass(frozen=True)

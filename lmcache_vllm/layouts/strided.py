@@ -22,7 +22,8 @@ from typing import Sequence
 
 import torch
 
-from lmcache_vllm.layouts.base import KVGeometry, LayoutError, PagedKVLayout, UnsupportedLayoutError
+from lmcache_vllm.layouts.base import KVGeometry, PagedKVLayout
+from lmcache_vllm.layouts.errors import LayoutError, UnsupportedLayoutError
 
 OP_STRIDED = 4  # layout code of the compiled ops (0, 1: CPU packings; 2, 3 were the old 5-D/3-D shapes)
 
