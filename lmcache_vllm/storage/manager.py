@@ -48,6 +48,7 @@ from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.registry import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class StorageManager(LowerTierReads):
     def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
         return len(self.prefix_tiers(keys))
 
-    def prefix_tiers(self, keys: Sequence[KeyLike]) -> list[str]:
+    def prefix_tiers(self, keys: Sequence[KeyLike]) -> list[Tier]:
         """The tier holding each key of the longest prefix of `keys` found (L1 first, then the first
         lower tier that has it); a tier that does not answer within the lookup timeout has nothing."""
         ks = [_key_str(k) for k in keys]
