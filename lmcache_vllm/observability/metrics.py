@@ -159,7 +159,7 @@ METRIC_LIST: tuple[MetricDef, ...] = (
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}
 
-GaugeFn = Callable[[], Iterable[tuple[str, dict, float]]]  # yields (metric name, labels, value)
+GaugeFn = Callable[[], Iterable[tuple[str, dict[str, str], float]]]  # yields (metric name, labels, value)
 
 
 def _label_key(d: MetricDef, labels: dict) -> str:
