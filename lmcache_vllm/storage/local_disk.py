@@ -151,7 +151,7 @@ class LocalDiskBackend(StorageBackend):
             if usage.used > self.max_bytes:  # e.g. the cap was lowered since the files were written
                 self._evict(usage.used - self.max_bytes, usage)
 
-    def _check_file(self, name: str, expected_key: Optional[str] = None):
+    def _check_file(self, name: str, expected_key: Optional[str] = None) -> Optional[tuple[float, str, str, int]]:
         """(mtime, key, name, size) when `name` is a valid chunk file of ours, else None (a corrupt
         one of our format is removed; anything else, a symbolic link or FIFO included, is left alone)."""
         try:
@@ -282,7 +282,7 @@ class LocalDiskBackend(StorageBackend):
         """File reads still running; a cancelled read frees its memory only when it finishes."""
         return self._reads_in_flight
 
-    def _read_done(self, _fut: Future) -> None:
+    def _read_done(self, _fut: Future[Optional[MemoryObj]]) -> None:
         with self._lock:
             self._reads_in_flight -= 1
 
@@ -295,7 +295,7 @@ class LocalDiskBackend(StorageBackend):
             item = self._adopt(key)
         if item is None:
             return None  # the manager counts misses
-        cfut: Future = self._read_pool.submit(chunk_file.read_chunk, os.path.join(self.path, item[0]), key,
+        cfut: Future[Optional[MemoryObj]] = self._read_pool.submit(chunk_file.read_chunk, os.path.join(self.path, item[0]), key,
                                               alloc, self.mac)
         with self._lock:
             self._reads_in_flight += 1
@@ -430,7 +430,7 @@ def _regular_file_size(path: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _release_result(cfut: Future) -> None:
+def _release_result(cfut: Future[Optional[MemoryObj]]) -> None:
     if cfut.cancelled() or cfut.exception() is not None:
         return
     obj = cfut.result()
