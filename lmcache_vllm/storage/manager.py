@@ -253,7 +253,8 @@ class StorageManager(LowerTierReads):
         self.l1.clear_sync()
         if not lower_tiers or self._closed or not self.lower:
             return True
-        async def clear_lower() -> list[bool | None | BaseException]:  # gathered on the loop: its futures must belong to that loop
+        # Gathered on the loop: its futures must belong to that loop.
+        async def clear_lower() -> list[bool | None | BaseException]:
             return await asyncio.wait_for(
                 asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True), self.get_timeout)
 

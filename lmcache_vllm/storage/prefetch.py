@@ -84,7 +84,7 @@ class PrefetchHolds:
             released = []
             for key in keys:
                 entries = self._by_key.get(key, [])
-                for j, (o, obj) in enumerate(entries):
+                for j, (o, _obj) in enumerate(entries):
                     if o == owner:
                         released.append(entries.pop(j)[1])
                         break

@@ -20,10 +20,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -41,9 +42,11 @@ from lmcache_vllm.storage.tier import Tier
 logger = logging.getLogger(__name__)
 
 _DEFAULT = object()
+# What decoding one key gave: the MemoryObj (None: nothing) and the counter that names the outcome.
+Decoded = tuple[Optional[MemoryObj], str]
 
 
-def _release_decoded(fut) -> None:
+def _release_decoded(fut: Union[asyncio.Future[list[Decoded]], Future[list[Decoded]]]) -> None:
     """Done callback (asyncio or concurrent future) freeing the objects of an abandoned decode."""
     if fut.cancelled() or fut.exception() is not None:
         return
@@ -134,7 +137,8 @@ class RedisBackend(StorageBackend):
         self._retry_at = time.monotonic() + delay
         self._probing = False
 
-    async def _call(self, make_coro, default=None, *, read: bool = False, chunks: int = 1):
+    async def _call(self, make_coro: Callable[[], Awaitable[Any]], default: Any = None, *, read: bool = False,
+                    chunks: int = 1) -> Any:
         """Runs `make_coro()` under the breaker and a timeout of `remote_timeout_secs` per chunk it moves
         (`chunks=0`: the coroutine bounds its own waits); returns `default` on any failure. A failed
         or skipped read counts in `failed_reads` (a refused write is counted by `put`)."""
@@ -171,7 +175,7 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
 
-        async def run():
+        async def run() -> list[int]:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.exists(self._rkey(key))
@@ -210,19 +214,20 @@ class RedisBackend(StorageBackend):
                     metrics.inc("read_alloc_failures", tier=self.name)
                 out.append(obj)
         for key in corrupt:
-            await self._call(lambda: self._client.delete(self._rkey(key)))
+            await self._call(functools.partial(self._client.delete, self._rkey(key)))
             kv_events.removed(key, self.name.medium)
         return out
 
-    async def _read_group(self, keys: Sequence[str], alloc: AllocFn) -> list:
+    async def _read_group(self, keys: Sequence[str], alloc: AllocFn) -> list[Decoded]:
         """One connection, one pipeline of MGETs of `read_batch_keys` keys each: every batch is decoded
         on the decode thread as soon as its reply is in, while the following replies are still being
         read, so the copy into `alloc` memory and the checksum hide behind the transfer."""
         pool = self._client.connection_pool
         batches = [keys[i:i + self.read_batch_keys] for i in range(0, len(keys), self.read_batch_keys)]
-        decoding: list[Future] = []
+        decoding: list[Future[list[Decoded]]] = []
         try:
-            conn = await asyncio.wait_for(pool.get_connection(), self.timeout)
+            conn = await asyncio.wait_for(pool.get_connection(),  # type: ignore[no-untyped-call]  # unannotated in redis-py
+                                          self.timeout)
             try:
                 await asyncio.wait_for(conn.send_packed_command(conn.pack_commands(
                     [("MGET", *(self._rkey(k) for k in batch)) for batch in batches])), self.timeout)
@@ -245,9 +250,9 @@ class RedisBackend(StorageBackend):
             raise
         return [item for batch_result in results for item in batch_result]
 
-    def _decode_batch(self, keys: Sequence[str], values: list, alloc: AllocFn) -> list:
+    def _decode_batch(self, keys: Sequence[str], values: list[Optional[bytes]], alloc: AllocFn) -> list[Decoded]:
         """Runs on the decode thread; returns (MemoryObj or None, counter name) per key."""
-        out: list = []
+        out: list[Decoded] = []
         try:
             for key, value in zip(keys, values):
                 if value is None:
@@ -294,8 +299,8 @@ class RedisBackend(StorageBackend):
             kv_events.removed(key, self.name.medium)
 
     async def clear(self) -> bool:
-        async def run():
-            batch = []
+        async def run() -> bool:
+            batch: list[bytes] = []
             async for rkey in self._client.scan_iter(match=glob_escape(self.prefix) + "*", count=1000):
                 batch.append(rkey)
                 if len(batch) >= 1000:
@@ -304,7 +309,7 @@ class RedisBackend(StorageBackend):
             return True
         return bool(await self._call(run, default=False))
 
-    async def _unlink(self, rkeys: list) -> None:
+    async def _unlink(self, rkeys: list[bytes]) -> None:
         if rkeys:
             await self._client.unlink(*rkeys)
             for rkey in rkeys:
