@@ -105,9 +105,9 @@ def transfer(ext: ModuleType, gather: bool, caches, slots: torch.Tensor, chunk: 
              block_size: int) -> str:
     """Runs one compiled gather (caches -> chunk) or scatter (chunk -> caches); returns the op's error
     message, "" on success."""
-    if gather:
-        return ext.gather(caches, slots, chunk, op_code, block_size)
-    return ext.scatter(chunk, caches, slots, op_code, block_size)
+    error: str = (ext.gather(caches, slots, chunk, op_code, block_size) if gather
+                  else ext.scatter(chunk, caches, slots, op_code, block_size))
+    return error
 
 
 def describe() -> dict[str, object]:

@@ -61,8 +61,8 @@ def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis,
         return f"{length} bytes, header says {header.header_len + header.payload_len}"
     if verify:
         value = client.get(rkey)
-        if value is None:
-            return None  # removed meanwhile: nothing to report
+        if not isinstance(value, bytes):  # None: removed meanwhile, nothing to report
+            return None
         try:
             codec.verify_payload(header, memoryview(value)[header.header_len:])
         except codec.CorruptEntry as exc:
@@ -101,7 +101,8 @@ def inspect_redis(url: str, prefix: str, *, verify: bool = False, timeout: float
                 if problem is not None:
                     report.add_corrupt(name, problem)
                 else:
-                    when = now - idle[i] if isinstance(idle[i], int) else None
+                    idle_s = idle[i]
+                    when = now - idle_s if isinstance(idle_s, int) else None
                     report.add_chunk(key, length, when)
     finally:
         client.close()

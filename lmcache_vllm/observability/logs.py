@@ -34,7 +34,7 @@ def warn(logger: logging.Logger, kind: str, msg: str, *args, exc_info: bool = Fa
         first = last is None
         _last[kind] = now
         left_out = _suppressed.pop(kind, 0)
-    if left_out:
+    if left_out and last is not None:  # suppressed ones only follow a logged one
         msg += f" [{left_out} more like this in the last {now - last:.1f}s not logged]"
     logger.warning(msg, *args, exc_info=exc_info and first)
     return True

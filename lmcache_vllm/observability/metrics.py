@@ -177,11 +177,14 @@ def _definition(name: str, kind: str) -> MetricDef:
     return d
 
 
+_GAUGE_AGGREGATES: dict[str, Callable[[list[float]], float]] = {"sum": sum, "max": max, "min": min}
+
+
 def combine_gauge(d: MetricDef, values: Iterable[float]) -> float:
     values = list(values)
     if not values:
         return 0.0
-    return {"sum": sum, "max": max, "min": min}[d.gauge_agg](values)
+    return _GAUGE_AGGREGATES[d.gauge_agg](values)
 
 
 class Recorder:

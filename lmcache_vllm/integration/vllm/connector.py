@@ -50,11 +50,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from lmcache_vllm.engine import CacheEngine
+
 logger = logging.getLogger(__name__)
 
 _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
-_HIT_SOURCES = {Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
+_HIT_SOURCES: dict[str, CacheHitSource] = {Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
                 Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
