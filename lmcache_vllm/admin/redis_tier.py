@@ -4,7 +4,8 @@ Chunks live under `<prefix><key string>` (see `storage/redis_backend.py`). `insp
 length, the first `codec.MAX_HEADER_SIZE` bytes (GETRANGE) and its idle time (OBJECT IDLETIME: Redis
 keeps no write time, so "oldest/newest" are least/most recently used); `verify=True` also GETs each value
 as bytes to check the payload checksum. A key under the prefix that is no chunk key is not ours (left
-alone); a chunk key of this format whose value does not decode is corrupt (the tier deletes it on read). `clear` finds keys with SCAN and removes them with UNLINK; a
+alone); a chunk key of this format whose value does not decode is corrupt (the tier deletes it on read). `clear`
+finds keys with SCAN and removes them with UNLINK; a
 namespace filter is applied to the key strings alone.
 """
 from __future__ import annotations

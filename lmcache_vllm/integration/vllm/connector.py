@@ -157,8 +157,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
         # The one start-up line with the resolved configuration (each worker rank, once).
         logger.info("%s, %d layers", logs.describe_config(
-            self.config, layout=self._worker.engine.layout if self._worker.engine else None, world_size=self._world_size,
-            role=self._kv_role), len(kv_caches))
+            self.config, layout=self._worker.engine.layout if self._worker.engine else None,
+            world_size=self._world_size, role=self._kv_role), len(kv_caches))
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33, before the KV cache is released (sleep, discard): no copy may touch it from now on.
