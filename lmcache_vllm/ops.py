@@ -20,7 +20,7 @@ import importlib
 import logging
 import os
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -101,8 +101,8 @@ def compiled_for(device: torch.device, op_code: int | None) -> ModuleType | None
     return ext
 
 
-def transfer(ext: ModuleType, gather: bool, caches, slots: torch.Tensor, chunk: torch.Tensor, op_code: int,
-             block_size: int) -> str:
+def transfer(ext: ModuleType, gather: bool, caches: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor,
+             op_code: int, block_size: int) -> str:
     """Runs one compiled gather (caches -> chunk) or scatter (chunk -> caches); returns the op's error
     message, "" on success."""
     error: str = (ext.gather(caches, slots, chunk, op_code, block_size) if gather

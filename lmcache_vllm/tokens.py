@@ -180,7 +180,7 @@ class CacheKey:
     pp_size: int = dataclasses.field(default=1, kw_only=True)  # pipeline-parallel size and rank
     pp_rank: int = dataclasses.field(default=0, kw_only=True)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty str, got {self.model!r}")
         if not isinstance(self.fingerprint, str) or not _is_hex(self.fingerprint):
@@ -229,7 +229,7 @@ def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: object) -> str:
     """'bfloat16' for torch.bfloat16 or 'bfloat16'; the spelling stored in keys."""
     name = str(dtype)
     return name[len("torch."):] if name.startswith("torch.") else name
@@ -239,8 +239,8 @@ class KeyBuilder:
     """Turns token ids (+ extra keys) into `(CacheKey, start, end)` for one model / TP and PP rank /
     KV dtype / format."""
 
-    def __init__(self, model: str, world_size: int, rank: int, kv_dtype, fmt_version: int,
-                 hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0):
+    def __init__(self, model: str, world_size: int, rank: int, kv_dtype: object, fmt_version: int,
+                 hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0) -> None:
         self.hasher = hasher
         self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0",
                                  fingerprint=fingerprint, pp_size=pp_size, pp_rank=pp_rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Iterator
+from typing import Any, Iterator
 from urllib.parse import urlparse
 
 import redis
@@ -111,7 +111,7 @@ def inspect_redis(url: str, prefix: str, *, verify: bool = False, timeout: float
 
 
 def clear_redis(url: str, prefix: str, *, namespace: str | None = None, dry_run: bool = False,
-                timeout: float = 5.0) -> dict:
+                timeout: float = 5.0) -> dict[str, int]:
     """Removes every key under `prefix` (only those of `namespace`, when given)."""
     client = connect(url, timeout)
     removed = 0
@@ -129,11 +129,11 @@ def clear_redis(url: str, prefix: str, *, namespace: str | None = None, dry_run:
     return {"keys": removed}
 
 
-def ping_redis(url: str, *, count: int = 5, timeout: float = 5.0) -> dict:
+def ping_redis(url: str, *, count: int = 5, timeout: float = 5.0) -> dict[str, Any]:
     """Connects (TLS and AUTH as the URL says), PINGs `count` times and reads a few INFO fields.
     `error` is set (and `ok` False) when the server cannot be reached or refuses us."""
     parsed = urlparse(url)
-    out: dict = {"url": redact_url(url), "ok": False, "tls": parsed.scheme == "rediss",
+    out: dict[str, Any] = {"url": redact_url(url), "ok": False, "tls": parsed.scheme == "rediss",
                  "auth": "user+password" if parsed.username and parsed.password else
                  "password" if parsed.password else "none"}
     client = connect(url, timeout)

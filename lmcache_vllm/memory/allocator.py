@@ -182,7 +182,7 @@ class HostAllocator:
     def num_live(self) -> int:
         return self._num_live
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._cond:
             return {"capacity_bytes": self._capacity, "used_bytes": self._used,
                     "pinned_bytes": self._pinned_bytes, "live_objects": self._num_live,

@@ -130,7 +130,7 @@ class LookupAnswer(NamedTuple):
     pending: bool = False  # a slower tier has not said yet where the chunks are: ask again
 
     @classmethod
-    def of(cls, value) -> "LookupAnswer":
+    def of(cls, value: LookupAnswer | int) -> "LookupAnswer":
         """A lookup function's result (a LookupAnswer, or a plain hit count) as a LookupAnswer."""
         return value if isinstance(value, LookupAnswer) else cls(int(value))
 
