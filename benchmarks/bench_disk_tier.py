@@ -201,7 +201,8 @@ def main() -> None:
     buffered_write_s, buffered_read_s, buffered_write_cpu, _ = measure_ours(False)
     if args.mac:
         mac_write_s, mac_read_s, _, _ = measure_ours(True, ChunkMac("benchmark secret"))
-        results.update(mac_write_gbps=_common.gbps(total, mac_write_s), mac_cold_read_gbps=_common.gbps(total, mac_read_s),
+        results.update(mac_write_gbps=_common.gbps(total, mac_write_s),
+                       mac_cold_read_gbps=_common.gbps(total, mac_read_s),
                        mac_write_vs_no_mac_ratio=ours_write_s / mac_write_s,
                        mac_cold_read_vs_no_mac_ratio=ours_read_s / mac_read_s)
 

@@ -9,7 +9,8 @@ and 1400-token prompts. Both lengths are ones where vLLM's prefix cache (128-tok
 256-token chunks serve a repeat the same number of tokens, so warm TTFTs compare the same work and every
 output is checked against vLLM at the same prefill split (`lmcache_vllm.integration.vllm.testing.reference`):
 `outputs_like_with_like` is true when all of them are bit-identical. (The `save_unfull_chunk` run loads
-all but the last token, a split vLLM's prefix cache cannot serve: its tokens are not compared.) Each configuration runs in its own vLLM process (in-process engine, the same
+all but the last token, a split vLLM's prefix cache cannot serve: its tokens are not compared.) Each configuration
+runs in its own vLLM process (in-process engine, the same
 thread setup for every run, so all are comparable). TTFT is the wall time of a request with
 max_tokens=1, best of the repeats (the shared machine's noise only adds time); vLLM's own per-request
 TTFT (its `first_token_latency`) is reported beside it as `*_vllm_s`.
@@ -128,7 +129,8 @@ def main() -> None:
                  "max_local_disk_size": 4.0, "extra_config": {"async_save": not args.sync_save}}
         ours = _run(tmp, "ours", {"model": model, "llm_kwargs": kwargs,
                                   "kv_transfer_config": dict(CONNECTOR, kv_connector_extra_config=extra),
-                                  "phases": [{"name": f"cold{i}", "prompts": [p], **one} for i, p in enumerate(cold_prompts)]
+                                  "phases": [{"name": f"cold{i}", "prompts": [p], **one}
+                                             for i, p in enumerate(cold_prompts)]
                                   + [{"name": f"warm{r}", "prompts": [cold_prompts[r % repeats]], **one}
                                      for r in range(warm_repeats)]},
                     hash_seed=1)
@@ -191,7 +193,8 @@ def main() -> None:
     pc_hit = min(_walls(vllm_pc, "hit"))
     tput_ours = batch / min(_walls(tput["ours"], "batch"))
     tput_plain = batch / min(_walls(tput["plain"], "batch"))
-    tput_ratio_median = statistics.median(_walls(tput["plain"], "batch")) / statistics.median(_walls(tput["ours"], "batch"))
+    tput_ratio_median = (statistics.median(_walls(tput["plain"], "batch"))
+                         / statistics.median(_walls(tput["ours"], "batch")))
     hit_expected = prompt_len - prompt_len % 256
     # Like with like: our cold, warm and disk requests per prompt against vLLM's cold and prefix-cache
     # requests of the same prompt; the 0 %-reuse batches against the batches without the connector.

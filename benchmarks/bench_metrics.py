@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import tempfile
-import time
 
 from _common import best_of, parse_args, print_table, write_json
 

@@ -11,7 +11,8 @@ into device memory and into pinned host memory against a device-to-device copy a
 
     python benchmarks/bench_ops.py [--quick] [--json FILE] [--threads N] [--isa auto|avx512|avx2|sse2|scalar]
                                    [--clock wall|cpu]
-Ratios (`*_ratio`, best rounds; `*_median_ratio`: median of same-round ratios): op_vs_torch = torch time / op time (target >= 2); op_vs_copy = copy time / op time
+Ratios (`*_ratio`, best rounds; `*_median_ratio`: median of same-round ratios): op_vs_torch = torch time / op time
+(target >= 2); op_vs_copy = copy time / op time
 (target >= 0.9), for gather (store), scatter (retrieve) and both together.
 """
 from __future__ import annotations

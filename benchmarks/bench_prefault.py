@@ -29,7 +29,7 @@ def main() -> None:
     src = torch.ones(nbytes, dtype=torch.uint8)
 
     fresh = HostAllocator(nbytes, pin_memory=False).arena
-    first_touch_s = _common.time_once(lambda: fresh.copy_(src))
+    first_touch_s = _common.time_once(lambda arena=fresh: arena.copy_(src))
     del fresh
 
     arena = HostAllocator(nbytes, pin_memory=False).arena

@@ -7,7 +7,8 @@ Builds the tiny local model (no hub), then runs three vLLM processes on one ~140
   2. vLLM with the connector (host memory + disk): a cold request, then the same prompt again,
   3. a fresh vLLM process with the connector: the prompt is found on disk.
 and prints what was loaded from where, how fast, and whether the output is the same as vLLM's at the same
-prefill split ("same output"; see lmcache_vllm/integration/vllm/testing/reference.py for why only that comparison is fair).
+prefill split ("same output"; see lmcache_vllm/integration/vllm/testing/reference.py for why only that comparison is
+fair).
 """
 from __future__ import annotations
 

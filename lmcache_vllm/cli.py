@@ -112,12 +112,12 @@ def _run_tool(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         if args.disk:
             from lmcache_vllm.admin.disk import inspect_disk
-            result = inspect_disk(args.disk, verify=args.verify)
+            report = inspect_disk(args.disk, verify=args.verify)
         else:
             from lmcache_vllm.admin.redis_tier import inspect_redis
-            result = inspect_redis(args.redis, prefix, verify=args.verify, settings=_redis_settings(args))
-        print(rep.dumps(result.to_dict()) if args.json else rep.format_report(result))
-        return EXIT_CORRUPT if result.num_corrupt else EXIT_OK
+            report = inspect_redis(args.redis, prefix, verify=args.verify, settings=_redis_settings(args))
+        print(rep.dumps(report.to_dict()) if args.json else rep.format_report(report))
+        return EXIT_CORRUPT if report.num_corrupt else EXIT_OK
     if args.command == "clear":
         what = f"disk directory {args.disk}" if args.disk else f"Redis {redact_url(args.redis)} (prefix {prefix!r})"
         scope = f"chunks of {args.model!r}" if args.model else "every chunk"
@@ -125,35 +125,35 @@ def _run_tool(args: argparse.Namespace) -> int:
             return EXIT_ABORTED
         if args.disk:
             from lmcache_vllm.admin.disk import clear_disk
-            result = clear_disk(args.disk, namespace=args.model, dry_run=args.dry_run)
+            removed = clear_disk(args.disk, namespace=args.model, dry_run=args.dry_run)
         else:
             from lmcache_vllm.admin.redis_tier import clear_redis
-            result = clear_redis(args.redis, prefix, namespace=args.model, dry_run=args.dry_run,
-                                 settings=_redis_settings(args))
-        result = dict(result, dry_run=args.dry_run)
-        print(rep.dumps(result) if args.json else
-              ("would remove " if args.dry_run else "removed ") + ", ".join(f"{v} {k}" for k, v in result.items()
+            removed = clear_redis(args.redis, prefix, namespace=args.model, dry_run=args.dry_run,
+                                  settings=_redis_settings(args))
+        cleared = dict(removed, dry_run=args.dry_run)
+        print(rep.dumps(cleared) if args.json else
+              ("would remove " if args.dry_run else "removed ") + ", ".join(f"{v} {k}" for k, v in cleared.items()
                                                                           if k != "dry_run"))
         return EXIT_OK
     if args.command == "ping":
         from lmcache_vllm.admin.redis_tier import ping_redis
-        result = ping_redis(args.redis, count=args.count, settings=_redis_settings(args))
+        ping = ping_redis(args.redis, count=args.count, settings=_redis_settings(args))
         if args.json:
-            print(rep.dumps(result))
-        elif result["ok"]:
-            ms = result["ping_ms"]
-            print(f"{result['url']}: ok ({len(result['nodes'])} node(s), tls {'on' if result['tls'] else 'off'}, "
-                  f"auth {result['auth']}); "
-                  f"connect {result['connect_ms']} ms, ping min {ms['min']} / median {ms['median']} / "
-                  f"max {ms['max']} ms; " + ", ".join(f"{k} {v}" for k, v in result["server"].items()))
+            print(rep.dumps(ping))
+        elif ping["ok"]:
+            ms = ping["ping_ms"]
+            print(f"{ping['url']}: ok ({len(ping['nodes'])} node(s), tls {'on' if ping['tls'] else 'off'}, "
+                  f"auth {ping['auth']}); "
+                  f"connect {ping['connect_ms']} ms, ping min {ms['min']} / median {ms['median']} / "
+                  f"max {ms['max']} ms; " + ", ".join(f"{k} {v}" for k, v in ping["server"].items()))
         else:
-            print(f"{result['url']}: {result['error']}", file=sys.stderr)
-        if result["ok"]:
+            print(f"{ping['url']}: {ping['error']}", file=sys.stderr)
+        if ping["ok"]:
             return EXIT_OK
-        return EXIT_AUTH if result.get("auth_failed") or result.get("tls_failed") else EXIT_ERROR
+        return EXIT_AUTH if ping.get("auth_failed") or ping.get("tls_failed") else EXIT_ERROR
     from lmcache_vllm.admin.scrape import fetch, format_summary, parse, summary
-    result = summary(parse(fetch(args.url, timeout=args.timeout)))
-    print(rep.dumps(result) if args.json else format_summary(result))
+    stats = summary(parse(fetch(args.url, timeout=args.timeout)))
+    print(rep.dumps(stats) if args.json else format_summary(stats))
     return EXIT_OK
 
 

@@ -26,7 +26,8 @@ from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.prefetch import PrefetchHandle
-from lmcache_vllm.tokens import CacheKey, KeyBuilder
+from lmcache_vllm.storage.tier import Tier
+from lmcache_vllm.tokens import CacheKey, KeyBuilder, TokenIds
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class HeldPrefix:
     ends: list[int]  # end token of each chunk looked up
 
     @property
-    def owner(self):
+    def owner(self) -> int | None:
         return self.handle.owner
 
     def located(self, timeout: float | None = 0.0) -> PrefixHit | None:
@@ -125,7 +126,7 @@ class CacheEngine:
     """
 
     def __init__(self, config: LMCacheConfig, layout: PagedKVLayout, key_builder: KeyBuilder,
-                 storage: StorageManager | None = None):
+                 storage: StorageManager | None = None) -> None:
         """`storage`: a StorageManager shared with other engines (the KV cache groups of one model, each
         keyed by its group tag: `key_builder.template.group`), else the engine builds its own."""
         self.config = config
@@ -145,10 +146,10 @@ class CacheEngine:
         else:
             metrics.inc(f"{what}_tokens", tokens)
 
-    def _chunks(self, tokens, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
+    def _chunks(self, tokens: TokenIds, include_partial: bool, extra: ExtraKeys | None) -> list[_Chunk]:
         return [_Chunk(key, start, end) for key, start, end in self.keys.keys(tokens, include_partial, extra)]
 
-    def _store_chunks(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None,
+    def _store_chunks(self, tokens: TokenIds, mask: torch.Tensor, extra: ExtraKeys | None,
                       include_partial: bool | None = None) -> list[_Chunk]:
         """Chunks worth storing: fully inside the mask and not in L1 yet (a lower tier that has one
         already skips its write-through there). A partial last chunk with `save_unfull_chunk` (or when
@@ -172,7 +173,7 @@ class CacheEngine:
             logs.warn(logger, "arena_full", "store of chunk %s dropped: %s", chunk.key.to_str(), exc)
             return None
 
-    def _plan_retrieve(self, tokens, mask: torch.Tensor, extra: ExtraKeys | None, owner=None,
+    def _plan_retrieve(self, tokens: TokenIds, mask: torch.Tensor, extra: ExtraKeys | None, owner: int | None = None,
                        lower_tiers: bool = True) -> _RetrievePlan:
         # Only chunks holding tokens the caller wants are read: those before the mask's first token
         # (already in the caller's cache) are skipped, not fetched and thrown away.
@@ -201,7 +202,7 @@ class CacheEngine:
         return plan
 
     @staticmethod
-    def _note_for_events(tokens, chunks: list[_Chunk]) -> None:
+    def _note_for_events(tokens: TokenIds, chunks: list[_Chunk]) -> None:
         """Parent digest and token ids of each chunk, for the KV events of the tiers it lands in."""
         if not kv_events.RECORDER.enabled:
             return
@@ -220,12 +221,12 @@ class CacheEngine:
         return torch.where(chunk_mask, slots, torch.full_like(slots, -1))
 
     # ------------------------------------------------------------------ public API
-    def lookup(self, tokens, extra: ExtraKeys | None = None) -> int:
+    def lookup(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> int:
         """Number of leading tokens whose KV is available in some tier (whole chunks; a partial last
         chunk only exists, so is only asked for, with `save_unfull_chunk`)."""
         return self.lookup_tiers(tokens, extra)[0]
 
-    def lookup_tiers(self, tokens, extra: ExtraKeys | None = None) -> tuple[int, list[str]]:
+    def lookup_tiers(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> tuple[int, list[Tier]]:
         """`lookup`'s answer and the tier holding each chunk of it (where a load would read it from)."""
         chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)
         if not chunks:
@@ -233,7 +234,7 @@ class CacheEngine:
         tiers = self.storage.prefix_tiers([c.key for c in chunks])
         return (chunks[len(tiers) - 1].end if tiers else 0), tiers
 
-    def lookup_and_hold(self, tokens, start: int = 0, extra: ExtraKeys | None = None,
+    def lookup_and_hold(self, tokens: TokenIds, start: int = 0, extra: ExtraKeys | None = None,
                         peer: StorageBackend | None = None) -> HeldPrefix:
         """Phase one of a load: finds the chunks of `tokens` from the one holding token `start` on (the
         caller has the tokens before it) and holds them for the load (see `HeldPrefix`); reads from
@@ -248,15 +249,16 @@ class CacheEngine:
         handle = self.storage.prefetch([c.key for c in chunks], peer=peer)
         return HeldPrefix(handle, first * cs, [c.end for c in chunks])
 
-    def hold_prefix(self, tokens, extra: ExtraKeys | None = None) -> tuple[list[str], list[MemoryObj]]:
+    def hold_prefix(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> tuple[list[str], list[MemoryObj]]:
         """The keys of every chunk of `tokens` (the partial last one included) and the L1 chunks of their
         longest prefix in L1, one reference each for the caller: what a prefill instance holds for the
         decode instance that will pull it."""
         keys = [c.key.to_str() for c in self._chunks(tokens, True, extra)]
         return keys, self.storage.pin_prefix(keys)
 
-    def store(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
-              extra: ExtraKeys | None = None, include_partial: bool | None = None) -> int:
+    def store(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+              mask: torch.Tensor | None = None, extra: ExtraKeys | None = None,
+              include_partial: bool | None = None) -> int:
         """Stores the KV of `tokens` (only chunks whose tokens are all in `mask`). Returns tokens stored.
         `extra`: the request's extra keys (see `extra_keys.py`); every method here takes them.
         `include_partial`: store a partial last chunk (None: as `save_unfull_chunk` says)."""
@@ -282,8 +284,9 @@ class CacheEngine:
         self._count("stored", stored)
         return stored
 
-    def retrieve(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
-                 extra: ExtraKeys | None = None, owner=None, lower_tiers: bool = True) -> torch.Tensor:
+    def retrieve(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                 mask: torch.Tensor | None = None, extra: ExtraKeys | None = None, owner: int | None = None,
+                 lower_tiers: bool = True) -> torch.Tensor:
         """Loads the chunks holding `mask`ed tokens, from the first such chunk up to the first missing
         one, into the paged cache; returns the mask of tokens loaded. `owner` (a `HeldPrefix.owner`) takes
         the holds of that lookup over; `lower_tiers=False` reads memory only."""
@@ -302,8 +305,9 @@ class CacheEngine:
         self._count("loaded", int(loaded.sum()))
         return loaded
 
-    def store_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping, mask=None,
-                    extra: ExtraKeys | None = None, include_partial: bool | None = None) -> Generator[int, None, int]:
+    def store_layer(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                    mask: torch.Tensor | None = None, extra: ExtraKeys | None = None,
+                    include_partial: bool | None = None) -> Generator[int, None, int]:
         """Layerwise store: each `next()` copies one layer out of the paged cache (yielding its index);
         running the generator to its end commits the chunks to storage and returns the tokens stored.
 
@@ -312,7 +316,8 @@ class CacheEngine:
         num_tokens = len(tokens)
         mask = _as_bool_mask(mask, num_tokens)
         slot_mapping = _check_slots(slot_mapping, num_tokens)
-        chunks, objs = [], []
+        chunks: list[_Chunk] = []
+        objs: list[MemoryObj] = []
         for chunk in self._store_chunks(tokens, mask, extra, include_partial):
             obj = self._allocate(chunk)
             if obj is None:
@@ -335,8 +340,8 @@ class CacheEngine:
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
 
-    def retrieve_layer(self, tokens, kv_caches: Sequence[torch.Tensor], slot_mapping,
-                       mask=None, extra: ExtraKeys | None = None, owner=None,
+    def retrieve_layer(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                       mask: torch.Tensor | None = None, extra: ExtraKeys | None = None, owner: int | None = None,
                        lower_tiers: bool = True) -> Generator[torch.Tensor | int, None, None]:
         """Layerwise retrieve: the first `next()` fetches the chunks and yields the mask of tokens that
         will be loaded; each following `next()` loads one layer and yields its index."""
@@ -346,7 +351,7 @@ class CacheEngine:
         plan = self._plan_retrieve(tokens, mask, extra, owner, lower_tiers)
         try:
             loaded = torch.zeros(num_tokens, dtype=torch.bool)
-            slots = []
+            slots: list[torch.Tensor] = []
             for chunk in plan.chunks:
                 loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
                 slots.append(self._masked_slots(slot_mapping, mask, chunk))
@@ -359,7 +364,7 @@ class CacheEngine:
         finally:
             self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
 
-    def wait_written(self, tokens, timeout: float, extra: ExtraKeys | None = None) -> bool:
+    def wait_written(self, tokens: TokenIds, timeout: float, extra: ExtraKeys | None = None) -> bool:
         """Waits (at most `timeout` s) until the chunks of `tokens` are written to every lower tier
         (durable for another process to read); False if one is not (dropped, failed or still going)."""
         chunks = self._chunks(tokens, self.config.save_unfull_chunk, extra)

@@ -34,7 +34,7 @@ class ExtraSpan:
     end: int
     data: bytes
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (isinstance(self.start, int) and isinstance(self.end, int) and 0 <= self.start < self.end):
             raise ValueError(f"ExtraSpan needs 0 <= start < end, got [{self.start!r}, {self.end!r})")
         if not isinstance(self.data, bytes):
@@ -48,7 +48,7 @@ class ExtraKeys:
     prefix: bytes = b""
     spans: tuple[ExtraSpan, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.prefix, bytes):
             raise ValueError(f"ExtraKeys.prefix must be bytes, got {type(self.prefix).__name__}")
         if not isinstance(self.spans, tuple) or not all(isinstance(s, ExtraSpan) for s in self.spans):

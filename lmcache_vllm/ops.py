@@ -20,7 +20,7 @@ import importlib
 import logging
 import os
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -101,13 +101,13 @@ def compiled_for(device: torch.device, op_code: int | None) -> ModuleType | None
     return ext
 
 
-def transfer(ext: ModuleType, gather: bool, caches, slots: torch.Tensor, chunk: torch.Tensor, op_code: int,
-             block_size: int) -> str:
+def transfer(ext: ModuleType, gather: bool, caches: Sequence[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor,
+             op_code: int, block_size: int) -> str:
     """Runs one compiled gather (caches -> chunk) or scatter (chunk -> caches); returns the op's error
     message, "" on success."""
-    if gather:
-        return ext.gather(caches, slots, chunk, op_code, block_size)
-    return ext.scatter(chunk, caches, slots, op_code, block_size)
+    error: str = (ext.gather(caches, slots, chunk, op_code, block_size) if gather
+                  else ext.scatter(chunk, caches, slots, op_code, block_size))
+    return error
 
 
 def describe() -> dict[str, object]:

@@ -50,11 +50,14 @@ from lmcache_vllm.extra_keys import ExtraKeys
 try:
     import torch
 except ImportError:  # tokens.py works on plain lists / numpy arrays too
-    torch = None
+    torch = None  # type: ignore[assignment]  # the module or None, tested before use
 
 TOKEN_HASH_SCHEME = "tokens/v1"
 TOKEN_BYTES = 8  # little-endian int64 per token id
-DEFAULT_HASH_ALGORITHM: str = LMCacheConfig.__dataclass_fields__["pre_caching_hash_algorithm"].default
+_hash_default = LMCacheConfig.__dataclass_fields__["pre_caching_hash_algorithm"].default
+if not isinstance(_hash_default, str):
+    raise RuntimeError("LMCacheConfig.pre_caching_hash_algorithm has no default name")
+DEFAULT_HASH_ALGORITHM: str = _hash_default
 
 
 def _xxh3_128() -> Callable[[bytes], bytes]:
@@ -103,7 +106,7 @@ def token_bytes(tokens: TokenIds) -> memoryview:
         array = np.ascontiguousarray(tokens, dtype="<i8")
         if array.ndim != 1:
             raise ValueError(f"token ids must be 1-D, got shape {array.shape}")
-        return memoryview(array).cast("B")
+        return array.data.cast("B")
     # A list (what vLLM hands over): struct packs it in C about twice as fast as numpy or array.array
     # convert it (measured: 150-200 vs 60-80 Mtokens/s for 300-4000 tokens).
     try:
@@ -183,7 +186,7 @@ class CacheKey:
     # The KV cache group whose layers the chunk holds (`kv_groups.KVGroup.tag`); "" = all layers of the model.
     group: str = dataclasses.field(default="", kw_only=True)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty str, got {self.model!r}")
         if not isinstance(self.fingerprint, str) or not _is_hex(self.fingerprint):
@@ -236,7 +239,7 @@ def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: object) -> str:
     """'bfloat16' for torch.bfloat16 or 'bfloat16'; the spelling stored in keys."""
     name = str(dtype)
     return name[len("torch."):] if name.startswith("torch.") else name
@@ -246,9 +249,9 @@ class KeyBuilder:
     """Turns token ids (+ extra keys) into `(CacheKey, start, end)` for one model / TP and PP rank /
     KV dtype / format / KV cache group."""
 
-    def __init__(self, model: str, world_size: int, rank: int, kv_dtype, fmt_version: int,
+    def __init__(self, model: str, world_size: int, rank: int, kv_dtype: object, fmt_version: int,
                  hasher: ChunkHasher, *, fingerprint: str = "", pp_size: int = 1, pp_rank: int = 0,
-                 group: str = ""):
+                 group: str = "") -> None:
         self.hasher = hasher
         self.template = CacheKey(model, world_size, rank, dtype_name(kv_dtype), fmt_version, b"\0",
                                  fingerprint=fingerprint, pp_size=pp_size, pp_rank=pp_rank, group=group)

@@ -1,6 +1,7 @@
 """Shared test fixtures: a real `redis-server` for the session (`redis_server`), a fresh key prefix per
 test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, and fresh process metrics for
-every test (`lmcache_vllm.observability.metrics` counts per process; `lmcache_vllm.observability.logs` rate-limits per process)."""
+every test (`lmcache_vllm.observability.metrics` counts per process; `lmcache_vllm.observability.logs` rate-limits
+per process)."""
 
 from __future__ import annotations
 

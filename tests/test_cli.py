@@ -7,7 +7,6 @@ import json
 import os
 import time
 
-import pytest
 import redis
 import redis.cluster
 

@@ -148,9 +148,9 @@ async def use_the_tier(root: str, shared: bool) -> None:
     disk = open_disk(root, 1 << 20, disk_io_threads=2, write_workers=1, local_disk_shared=shared)
     try:
         found = await disk.contains(KEYS)
-        for key, hit in zip(KEYS, found):
+        for key, _hit in zip(KEYS, found):
             obj = await disk.get(key, alloc)
-            if obj is not None:  # (a get may find a file the contains did not: no assertion on `hit`)
+            if obj is not None:  # (a get may find a file the contains did not: no assertion on `_hit`)
                 assert tuple(obj.tensor.shape) == SHAPE
                 obj.ref_down()
         src = ARENA.allocate(SHAPE, torch.bfloat16)

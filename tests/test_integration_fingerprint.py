@@ -3,7 +3,6 @@ model at another path shares keys; another config, override, dtype, weights or n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 

@@ -13,8 +13,8 @@ from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine, w
 
 
 def _worker(engine, caches, async_save=True):
-    worker = WorkerHalf(worker_config(engine, use_layerwise=False, async_save=async_save), engine_factory=lambda _: engine,
-                        block_size=BLOCK, lookup_address=None)
+    worker = WorkerHalf(worker_config(engine, use_layerwise=False, async_save=async_save),
+                        engine_factory=lambda _: engine, block_size=BLOCK, lookup_address=None)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     return worker
 
@@ -185,8 +185,9 @@ def test_load_failed_on_another_tp_rank_stops_this_ranks_saves(layerwise):
         return [True] * len(flags)
 
     engine = make_engine(use_layerwise=layerwise)
-    worker = WorkerHalf(worker_config(engine, use_layerwise=layerwise, async_save=False), engine_factory=lambda _: engine,
-                        block_size=BLOCK, lookup_address=None, failure_agreement=other_rank_failed)
+    worker = WorkerHalf(worker_config(engine, use_layerwise=layerwise, async_save=False),
+                        engine_factory=lambda _: engine, block_size=BLOCK, lookup_address=None,
+                        failure_agreement=other_rank_failed)
     worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
     try:
         tokens, new = list(range(700, 700 + CHUNK)), list(range(9000, 9000 + CHUNK))

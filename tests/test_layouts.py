@@ -209,7 +209,8 @@ def slot_cases(block_size: int, blocks: int) -> dict[str, torch.Tensor]:
         "blocks_out_of_order": torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in (6, 1, 2)]),
         "mid_block_start": torch.arange(2 * bs + 5, 4 * bs + 3),
         "random_with_minus_one": with_holes,
-        "block_then_tail_and_holes": torch.cat([torch.arange(8 * bs, 9 * bs), torch.tensor([-1, 3, 4, -1, 70 % (blocks * bs)])]),
+        "block_then_tail_and_holes": torch.cat([torch.arange(8 * bs, 9 * bs),
+                                                torch.tensor([-1, 3, 4, -1, 70 % (blocks * bs)])]),
         "short_partial": torch.tensor([5, 6, 7]),
         "all_skipped": torch.full((4,), -1),
     }

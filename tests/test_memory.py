@@ -245,7 +245,7 @@ def test_random_sequences_never_overlap_and_end_empty(sequence):
             live[op[1] % len(live)].touch()
         # Invariants: live regions are disjoint, inside the arena, and add up to used_bytes.
         regions = sorted((o.offset, o.offset + o.reserved) for o in live)
-        for (s0, e0), (s1, _) in zip(regions, regions[1:]):
+        for (_s0, e0), (s1, _) in zip(regions, regions[1:]):
             assert e0 <= s1
         assert all(0 <= s and e <= alloc.capacity for s, e in regions)
         assert alloc.used_bytes == sum(e - s for s, e in regions)

@@ -32,7 +32,8 @@ WRITER = textwrap.dedent('''
     from lmcache_vllm.memory import HostAllocator
     from lmcache_vllm.storage.local_disk import LocalDiskBackend
 
-    directory, cap, tag, first, count, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:6]), sys.argv[6]
+    directory, cap, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    first, count, go = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     allocator = HostAllocator(1 << 20)
 
     async def main():

@@ -235,8 +235,9 @@ def test_prefetch_and_cancel_leak_nothing(tmp_path, make_chunk):
             assert mgr.allocator.used_bytes == in_l1 * chunks[0].numel() * 2
             assert mgr.allocator.num_live == in_l1
         got = mgr.get([key(0)])
-        assert len(got) == 1, {f"{name}.{tier}": metrics.value(name, tier=tier) for name in ("chunk_hits", "chunk_misses",
-                               "read_alloc_failures", "failed_reads", "corrupt_chunks")
+        assert len(got) == 1, {f"{name}.{tier}": metrics.value(name, tier=tier)
+                               for name in ("chunk_hits", "chunk_misses", "read_alloc_failures", "failed_reads",
+                                            "corrupt_chunks")
                                for tier in ("local_cpu", "local_disk")} | {"in_l1": in_l1}
         check_and_release(got, chunks[:1])
 

@@ -82,8 +82,8 @@ def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis,
         return str(exc)
     if verify:
         value = client.get(rkey)
-        if value is None:
-            return None  # removed meanwhile: nothing to report
+        if not isinstance(value, bytes):  # None: removed meanwhile, nothing to report
+            return None
         try:
             codec.verify_payload(header, memoryview(value)[header.header_len:])
         except codec.CorruptEntry as exc:
@@ -135,7 +135,7 @@ def _inspect_node(client: redis.Redis, prefix: str, verify: bool, report: TierRe
 
 
 def clear_redis(url: str, prefix: str, *, namespace: str | None = None, dry_run: bool = False,
-                settings: ClientSettings = CLI_SETTINGS) -> dict:
+                settings: ClientSettings = CLI_SETTINGS) -> dict[str, int]:
     """Removes every key under `prefix` (only those of `namespace`, when given), node by node."""
     removed = 0
     with node_clients(url, settings) as nodes:
@@ -159,12 +159,12 @@ def _by_slot(rkeys: list[bytes]) -> list[list[bytes]]:
     return list(groups.values())
 
 
-def ping_redis(url: str, *, count: int = 5, settings: ClientSettings = CLI_SETTINGS) -> dict:
+def ping_redis(url: str, *, count: int = 5, settings: ClientSettings = CLI_SETTINGS) -> dict[str, Any]:
     """Connects (TLS and AUTH as the URL and `settings` say), PINGs `count` times every node (each primary
     of a cluster) and reads a few INFO fields of the first. `error` is set (and `ok` False) when a node
     cannot be reached or refuses us."""
     target = parse_remote_url(url)
-    out: dict = {"url": target.display(), "ok": False, "tls": target.tls, "topology": target.topology.value,
+    out: dict[str, Any] = {"url": target.display(), "ok": False, "tls": target.tls, "topology": target.topology.value,
                  "auth": "user+password" if target.username and target.password else
                  "password" if target.password else "none"}
     try:

@@ -19,7 +19,8 @@ def fetch(url: str, timeout: float = 10.0) -> str:
     base = url.rstrip("/")
     target = base if base.endswith("/metrics") else base + "/metrics"
     with urllib.request.urlopen(target, timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
+        body: bytes = resp.read()
+        return body.decode("utf-8", "replace")
 
 
 def _label_key(labels: dict[str, str], names: tuple[str, ...]) -> str:
@@ -86,7 +87,7 @@ def summary(scraped: dict[str, Any]) -> dict[str, Any]:
     hists = {}
     for name, series in scraped["histograms"].items():
         for lk, h in series.items():
-            ms = {"count": int(h["count"])}
+            ms: dict[str, float | None] = {"count": int(h["count"])}
             if h["count"]:
                 ms["mean_ms"] = round(1000 * h["sum"] / h["count"], 3)
                 for q in (0.5, 0.95, 0.99):

@@ -129,7 +129,8 @@ def update_doc(path: str = CONFIG_DOC, begin: str = BEGIN, end: str = END, conte
 
 def check(paths: Sequence[str]) -> int:
     refused = 0
-    for path in paths or [None]:
+    targets: Sequence[Optional[str]] = paths or [None]  # None: the environment's own file, if any
+    for path in targets:
         environ = dict(os.environ) if path is None else dict(os.environ, **{CONFIG_FILE_ENV: path})
         report = inspect_config(environ=environ)
         name = path or environ.get(CONFIG_FILE_ENV) or "(environment)"

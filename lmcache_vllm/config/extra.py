@@ -132,7 +132,7 @@ class ExtraConfig:
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         raise_if_any(normalize_fields(self, prefix="extra_config."))
         remember_secret(self.chunk_mac_key)  # from now on redacted from any text we show
 

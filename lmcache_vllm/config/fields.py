@@ -103,8 +103,9 @@ def setting(default: Any = MISSING, meaning: str = "", *, check: Optional[Check]
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def field_default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not MISSING else f.default
+def field_default(f: dataclasses.Field[Any]) -> Any:
+    factory = f.default_factory
+    return f.default if factory is dataclasses.MISSING else factory()
 
 
 @functools.cache
@@ -207,7 +208,7 @@ def _number(value: Any) -> Optional[float]:
     return None
 
 
-def parse_setting(f: dataclasses.Field, tp: Any, value: Any) -> Any:
+def parse_setting(f: dataclasses.Field[Any], tp: Any, value: Any) -> Any:
     """`value` for field `f`: its value aliases, its type, its choices; ValueError if none fits."""
     aliases = f.metadata.get("value_aliases") or {}
     for alias, target in aliases.items():
@@ -226,7 +227,7 @@ def parse_setting(f: dataclasses.Field, tp: Any, value: Any) -> Any:
     return parsed
 
 
-def check_setting(f: dataclasses.Field, value: Any) -> Optional[str]:
+def check_setting(f: dataclasses.Field[Any], value: Any) -> Optional[str]:
     check = f.metadata.get("check")
     return check(value) if check is not None and value is not None else None
 
@@ -236,7 +237,8 @@ def normalize_fields(obj: Any, prefix: str = "", skip: Sequence[str] = ()) -> li
     not parse keeps the field's default so that the remaining checks still run; every failure is a
     Problem (without origin: the loader, which knows the sources, adds it)."""
     problems: list[Problem] = []
-    types = field_types(type(obj))
+    cls: type = type(obj)  # (mypy: type(Any) is not Hashable for functools.cache)
+    types = field_types(cls)
     for f in dataclasses.fields(obj):
         if f.name in skip or "meaning" not in f.metadata:
             continue

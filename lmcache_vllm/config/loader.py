@@ -222,4 +222,6 @@ def load_config(overrides: Optional[Mapping[str, Any]] = None, *,
     for warning in report.warnings:
         logger.warning("lmcache-vllm config: %s", warning)
     raise_if_any(report.problems)
+    if report.config is None:  # inspect_config has a configuration whenever it found no problem
+        raise RuntimeError("lmcache-vllm config: no configuration and no problem reported")
     return report.config

@@ -88,7 +88,7 @@ class EntryReader:
         else:
             self.unknown(key, entry, EXTRA_CANDIDATES, "extra_config.")
 
-    def take(self, f: dataclasses.Field, tp: Any, name: str, entry: Entry, into: dict) -> None:
+    def take(self, f: dataclasses.Field[Any], tp: Any, name: str, entry: Entry, into: dict[str, Any]) -> None:
         try:
             value = parse_setting(f, tp, entry.value)
         except ValueError as exc:

@@ -104,7 +104,7 @@ def redact_text(text: str) -> str:
     return text
 
 
-def _mask_pair(match: re.Match) -> str:
+def _mask_pair(match: re.Match[str]) -> str:
     value = match.group("value")
     quote = value[0] if value[:1] in ("'", '"') else ""
     return f"{match.group('key')}{quote}{MASK}{quote}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from lmcache_vllm.config.extra import ExtraConfig
 from lmcache_vllm.config.fields import (
@@ -80,7 +80,7 @@ class LMCacheConfig:
         meaning="lmcache-vllm's own settings (next table; config/extra.py); merged key by key across sources",
         default_factory=ExtraConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         problems = normalize_fields(self, skip=("extra_config",))
         if not isinstance(self.extra_config, ExtraConfig):
             # A mapping given in code is read like every other source's extra_config (LMCache's names, typos).
@@ -101,7 +101,7 @@ class LMCacheConfig:
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GiB)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:

@@ -169,7 +169,7 @@ def _expanded_nodes(root: Optional[yaml.Node]) -> int:
     return counts.get(id(root), 0) if root is not None else 0
 
 
-def _children(node: yaml.Node) -> list:
+def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [n for pair in node.value for n in pair]
     if isinstance(node, yaml.SequenceNode):
@@ -223,7 +223,8 @@ def _entries(loader: yaml.SafeLoader, node: yaml.MappingNode, path: str, problem
 
 def env_entries(environ: Mapping[str, str], known: Any) -> tuple[list[Entry], list[Entry]]:
     """(`LMCACHE_<KEY>` variables of every key in `known`, the other LMCACHE_* variables except ours)."""
-    entries, others = [], []
+    entries: list[Entry] = []
+    others: list[Entry] = []
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in OWN_ENV_VARS:
             continue

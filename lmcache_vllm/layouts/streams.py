@@ -68,7 +68,7 @@ _PASSED = Fence()
 class DeferredRelease:
     """Callbacks held until their fence has passed (thread-safe)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[tuple[Fence, list[Callable[[], None]]]] = []
 

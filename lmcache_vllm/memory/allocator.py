@@ -182,7 +182,7 @@ class HostAllocator:
     def num_live(self) -> int:
         return self._num_live
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._cond:
             return {"capacity_bytes": self._capacity, "used_bytes": self._used,
                     "pinned_bytes": self._pinned_bytes, "live_objects": self._num_live,
@@ -287,14 +287,15 @@ class HostAllocator:
     def _pick_victims(self, reserved: int) -> list[tuple[MemoryObj, EvictCallback]]:
         """Takes LRU objects whose eviction frees memory until enough bytes could be free."""
         free_total = self._capacity - self._used
-        victims = []
+        victims: list[tuple[MemoryObj, EvictCallback]] = []
         for key, obj in list(self._lru.items()):
             if free_total >= reserved and victims:
                 break
-            if obj.pin_count > 0 or obj.ref_count != 1:
+            evictor = obj._evictor  # set for every object in the LRU (`_set_evictor`)
+            if obj.pin_count > 0 or obj.ref_count != 1 or evictor is None:
                 continue  # in use: evicting it would not free its bytes now
             del self._lru[key]
-            victims.append((obj, obj._evictor))
+            victims.append((obj, evictor))
             obj._evictor = None
             free_total += obj.reserved
             self.num_evictions += 1

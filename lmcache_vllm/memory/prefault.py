@@ -38,14 +38,14 @@ STEP_BYTES = 2 << 20  # one huge page per call: short holds of the memory map, q
 MODES = ("off", "background", "sync")
 
 
-def _libc():
+def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
 
-def _madvise(libc, addr: int, length: int, advice: int) -> int:
+def _madvise(libc: ctypes.CDLL, addr: int, length: int, advice: int) -> int:
     """0 on success, else the errno."""
     if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0:
         return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, SupportsInt
 
 MAX_PENDING = 100_000
 MAX_NOTED_CHUNKS = 8192  # parent/token ids of recently stored or loaded chunks (~16 MiB at 256 tokens)
@@ -41,7 +41,7 @@ class EventRecorder:
         self._noted: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = OrderedDict()
         self.dropped = 0
 
-    def note_chunk(self, digest: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
+    def note_chunk(self, digest: bytes, parent: bytes | None, token_ids: Iterable[SupportsInt]) -> None:
         if not self.enabled:
             return
         tokens = tuple(int(t) for t in token_ids)
@@ -89,7 +89,7 @@ class EventRecorder:
 RECORDER = EventRecorder()
 
 
-def note_chunk(digest: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
+def note_chunk(digest: bytes, parent: bytes | None, token_ids: Iterable[SupportsInt]) -> None:
     RECORDER.note_chunk(digest, parent, token_ids)
 
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from lmcache_vllm.config.redact import redact_url
+
+if TYPE_CHECKING:
+    from lmcache_vllm.config import LMCacheConfig
 
 DEFAULT_INTERVAL_S = 60.0
 
@@ -21,7 +25,7 @@ _last: dict[str, float] = {}  # kind -> when it was last logged
 _suppressed: dict[str, int] = {}  # kind -> repeats not logged since
 
 
-def warn(logger: logging.Logger, kind: str, msg: str, *args, exc_info: bool = False,
+def warn(logger: logging.Logger, kind: str, msg: str, *args: object, exc_info: bool = False,
          interval: float = DEFAULT_INTERVAL_S) -> bool:
     """Logs `msg % args` as a WARNING unless `kind` was logged less than `interval` seconds ago;
     the traceback (`exc_info`) only with the first one. Returns whether it logged."""
@@ -34,7 +38,7 @@ def warn(logger: logging.Logger, kind: str, msg: str, *args, exc_info: bool = Fa
         first = last is None
         _last[kind] = now
         left_out = _suppressed.pop(kind, 0)
-    if left_out:
+    if left_out and last is not None:  # suppressed ones only follow a logged one
         msg += f" [{left_out} more like this in the last {now - last:.1f}s not logged]"
     logger.warning(msg, *args, exc_info=exc_info and first)
     return True
@@ -51,7 +55,7 @@ def _gib(x: float) -> str:
     return f"{x:g} GiB"
 
 
-def describe_config(config, *, layout: object = None, world_size: int = 1, role: str = "") -> str:
+def describe_config(config: LMCacheConfig, *, layout: object = None, world_size: int = 1, role: str = "") -> str:
     """One line: tiers and sizes, chunk size, layout, and what is off."""
     extra = config.extra_config
     tiers = []

@@ -26,7 +26,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 PREFIX = "lmcache_vllm:"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -45,15 +45,15 @@ class MetricDef:
     buckets: tuple[float, ...] = LATENCY_BUCKETS
 
 
-def _c(name, unit, help, labels=(), scope="rank"):
+def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = (), scope: str = "rank") -> MetricDef:
     return MetricDef(name, "counter", unit, help, tuple(labels), scope)
 
 
-def _g(name, unit, help, labels=(), agg="sum"):
+def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = (), agg: str = "sum") -> MetricDef:
     return MetricDef(name, "gauge", unit, help, tuple(labels), gauge_agg=agg)
 
 
-def _h(name, help, labels=(), scope="rank"):
+def _h(name: str, help: str, labels: tuple[str, ...] = (), scope: str = "rank") -> MetricDef:
     return MetricDef(name, "histogram", "seconds", help, tuple(labels), scope)
 
 
@@ -202,10 +202,10 @@ METRIC_LIST: tuple[MetricDef, ...] = (
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}
 
-GaugeFn = Callable[[], Iterable[tuple[str, dict, float]]]  # yields (metric name, labels, value)
+GaugeFn = Callable[[], Iterable[tuple[str, dict[str, str], float]]]  # yields (metric name, labels, value)
 
 
-def _label_key(d: MetricDef, labels: dict) -> str:
+def _label_key(d: MetricDef, labels: dict[str, Any]) -> str:
     if len(labels) != len(d.labels):
         raise ValueError(f"metric {d.name!r} takes labels {d.labels}, got {tuple(labels)}")
     return ",".join(str(labels[name]) for name in d.labels)
@@ -220,11 +220,14 @@ def _definition(name: str, kind: str) -> MetricDef:
     return d
 
 
+_GAUGE_AGGREGATES: dict[str, Callable[[list[float]], float]] = {"sum": sum, "max": max, "min": min}
+
+
 def combine_gauge(d: MetricDef, values: Iterable[float]) -> float:
     values = list(values)
     if not values:
         return 0.0
-    return {"sum": sum, "max": max, "min": min}[d.gauge_agg](values)
+    return _GAUGE_AGGREGATES[d.gauge_agg](values)
 
 
 class Recorder:
@@ -241,7 +244,7 @@ class Recorder:
         """Forgets every count (tests); gauge functions stay registered."""
         with self._lock:
             self._counters: dict[str, dict[str, float]] = {}
-            self._hists: dict[str, dict[str, list]] = {}  # lk -> [count, sum, bucket counts]
+            self._hists: dict[str, dict[str, list[Any]]] = {}  # lk -> [count, sum, bucket counts]
             self._pending_counters: dict[str, dict[str, float]] = {}
             self._pending_obs: dict[str, dict[str, list[float]]] = {}
             self._sent_gauges: dict[str, dict[str, float]] = {}
@@ -317,7 +320,7 @@ class Recorder:
         return {name: {lk: combine_gauge(METRICS[name], vals) for lk, vals in series.items()}
                 for name, series in parts.items()}
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Totals since start (or `reset`) as a plain dict."""
         gauges = self._gauges()
         with self._lock:
@@ -328,7 +331,7 @@ class Recorder:
                 "gauges": {n: {lk: {self.source: v} for lk, v in s.items()} for n, s in gauges.items()},
                 "histograms": hists}
 
-    def take(self) -> dict:
+    def take(self) -> dict[str, Any]:
         """What changed since the previous `take()` (or since start): counter increments, observations,
         and gauges whose value changed (the first call reports every gauge)."""
         gauges = self._gauges()
@@ -356,7 +359,7 @@ def observe(name: str, value: float, **labels: Any) -> None:
     RECORDER.observe(name, value, **labels)
 
 
-def timed(name: str, **labels: Any):
+def timed(name: str, **labels: Any) -> ContextManager[None]:
     return RECORDER.timed(name, **labels)
 
 
@@ -369,23 +372,23 @@ def set_primary(primary: bool) -> None:
     RECORDER.primary = bool(primary)
 
 
-def snapshot() -> dict:
+def snapshot() -> dict[str, Any]:
     return RECORDER.snapshot()
 
 
-def take() -> dict:
+def take() -> dict[str, Any]:
     return RECORDER.take()
 
 
 # ---- plain-dict helpers (deltas from take() and snapshots alike) -------------------------------------
-def is_empty(delta: dict) -> bool:
+def is_empty(delta: dict[str, Any]) -> bool:
     return not any(delta.get(part) for part in ("counters", "gauges", "observations", "histograms"))
 
 
-def merge(a: dict, b: dict) -> dict:
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """`a` and `b` combined (neither is modified): counters and observations add up, histogram totals
     add up, gauges keep each source's value (from `b` when both have it)."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     for n, s in (a.get("counters") or {}).items():
         out.setdefault("counters", {})[n] = dict(s)
     for n, s in (b.get("counters") or {}).items():
@@ -417,7 +420,7 @@ def _series_name(name: str, lk: str) -> str:
     return f"{name}.{lk}" if lk else name
 
 
-def flat(data: dict) -> dict[str, float]:
+def flat(data: dict[str, Any]) -> dict[str, float]:
     """A snapshot or delta as `{"name" or "name.label": value}`: counters, combined gauges, and for
     histograms `name[.label].count` / `.sum` (tests, benchmarks, offline job output)."""
     out: dict[str, float] = {}
@@ -438,7 +441,7 @@ def flat(data: dict) -> dict[str, float]:
     return out
 
 
-def value(name: str, data: dict | None = None, **labels: Any) -> float:
+def value(name: str, data: dict[str, Any] | None = None, **labels: Any) -> float:
     """One series of `data` (default: this process's snapshot); a histogram gives its count; 0 when
     nothing was recorded."""
     d = METRICS[name]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 from lmcache_vllm.storage.tier import Tier
 
 # alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
-AllocFn = Callable[[tuple, torch.dtype], Optional[MemoryObj]]
+AllocFn = Callable[[tuple[int, ...], torch.dtype], Optional[MemoryObj]]
+
+T = TypeVar("T")
 
 
 class StorageBackend(abc.ABC):
@@ -76,20 +78,21 @@ class StorageBackend(abc.ABC):
         return {}
 
 
-def release_objs(objs) -> None:
+def release_objs(objs: Iterable[Optional[MemoryObj]]) -> None:
     for obj in objs:
         if obj is not None:
             obj.ref_down()
 
 
-def _release_task_result(task: "asyncio.Future") -> None:
+def _release_task_result(task: asyncio.Future[Any]) -> None:
     if task.cancelled() or task.exception() is not None:
         return
     result = task.result()
     release_objs(result if isinstance(result, list) else [result])
 
 
-async def gather_owned(coros, release: Optional[Callable[[asyncio.Future], None]] = None) -> list:
+async def gather_owned(coros: Iterable[Awaitable[T]],
+                       release: Optional[Callable[[asyncio.Future[Any]], None]] = None) -> list[T]:
     """`asyncio.gather` for coroutines returning MemoryObjs (or lists of them) with a ref for us.
 
     If one fails or the gathering task is cancelled, results that complete anyway are released (by
@@ -110,10 +113,10 @@ class Handoff:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._result: Optional[list] = None
+        self._result: Optional[list[MemoryObj]] = None
         self._abandoned = False
 
-    def deliver(self, objs: list) -> None:
+    def deliver(self, objs: list[MemoryObj]) -> None:
         with self._lock:
             if not self._abandoned:
                 self._result = objs
@@ -121,7 +124,7 @@ class Handoff:
                 return
         release_objs(objs)
 
-    def take(self, timeout: float) -> Optional[list]:
+    def take(self, timeout: float) -> Optional[list[MemoryObj]]:
         self._ready.wait(timeout)
         with self._lock:
             if self._result is None:

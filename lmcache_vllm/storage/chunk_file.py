@@ -20,7 +20,7 @@ import fcntl
 import logging
 import mmap
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from urllib.parse import quote, unquote
 
 import xxhash
@@ -29,6 +29,12 @@ from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage import codec, disk_dir
 from lmcache_vllm.storage.base import AllocFn
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    from lmcache_vllm.memory import MemoryObj
+    from lmcache_vllm.storage.base import AllocFn
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +143,7 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
-def write_full(fd: int, buffers: list[Any]) -> None:
+def write_full(fd: int, buffers: Sequence[Buffer]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     try:
         while views:
@@ -163,7 +169,8 @@ def pread_full(fd: int, dest: memoryview, offset: int) -> None:
         done += n
 
 
-def read_chunk(path: str, key: str, alloc: AllocFn, mac: Optional[codec.ChunkMac] = None) -> Optional[MemoryObj]:
+def read_chunk(path: str, key: str, alloc: AllocFn,
+               mac: Optional[codec.ChunkMac] = None) -> Optional[MemoryObj]:
     """The chunk stored in file `path` under `key`, read straight into memory from `alloc(shape, dtype)`
     (None when `alloc` has none); `codec.CorruptEntry` when the file is not that chunk (or not signed
     with `mac`, a `codec.ChunkMac`, when given; `disk_dir.NotRegularFile`, one too, when a symbolic

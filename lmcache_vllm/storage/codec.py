@@ -37,7 +37,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -45,6 +45,13 @@ import xxhash
 
 from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.observability import metrics
+
+if TYPE_CHECKING:
+    from lmcache_vllm.memory import MemoryObj
+    from lmcache_vllm.storage.base import AllocFn
+
+# A chunk's bytes as the tiers hand them over (Redis values, file reads, views of a tensor).
+ChunkBytes = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"LMCV"
 FORMAT_VERSION = 2
@@ -103,7 +110,7 @@ class ChunkMac:
         # Safe to show (in keys, logs): names which secret, reveals nothing of it.
         self.key_id = blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac key id").hexdigest()[:16]
 
-    def compute(self, signed_header: bytes, payload) -> bytes:
+    def compute(self, signed_header: bytes, payload: ChunkBytes) -> bytes:
         h = self._blake3(signed_header, key=self._key)
         h.update(payload)
         return h.digest()
@@ -126,10 +133,10 @@ def payload_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("codec works on contiguous CPU tensors")
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
-def checksum(data) -> int:
+def checksum(data: ChunkBytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -182,17 +189,18 @@ def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> me
     out[:len(header)] = np.frombuffer(header, dtype=np.uint8)
     if nbytes:
         ctypes.memmove(out.ctypes.data + len(header), tensor.data_ptr(), nbytes)
-    return memoryview(out)
+    return out.data
 
 
-def read_format_version(buf) -> Optional[int]:
+def read_format_version(buf: ChunkBytes) -> Optional[int]:
     """The format version of a chunk's bytes when they start with our magic, else None."""
     if len(buf) < 6 or bytes(buf[:4]) != MAGIC:
         return None
-    return struct.unpack_from("<H", buf, 4)[0]
+    version: int = struct.unpack_from("<H", buf, 4)[0]
+    return version
 
 
-def parse_header(buf, expected_key: Optional[str] = None) -> ChunkHeader:
+def parse_header(buf: ChunkBytes, expected_key: Optional[str] = None) -> ChunkHeader:
     """Parses and checks the header at the start of `buf` (which may hold more bytes after it)."""
     view = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf
     if len(view) < FIXED_SIZE:
@@ -242,7 +250,7 @@ def check_size(header: ChunkHeader, size: int) -> None:
                            " (truncated or padded)")
 
 
-def verify_payload(header: ChunkHeader, payload, mac: Optional[ChunkMac] = None) -> None:
+def verify_payload(header: ChunkHeader, payload: ChunkBytes, mac: Optional[ChunkMac] = None) -> None:
     """Checks a payload's length and checksum against its header and, with `mac`, the header's MAC."""
     if len(payload) != header.payload_len:
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.payload_len}")
@@ -253,7 +261,7 @@ def verify_payload(header: ChunkHeader, payload, mac: Optional[ChunkMac] = None)
         raise UnauthenticatedEntry(f"chunk {header.key!r} has no valid MAC for our secret")
 
 
-def decode_into(buf, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
+def decode_into(buf: ChunkBytes, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
     """Copies and checks the payload of `buf` (header + payload) into the preallocated tensor `out`."""
     view = memoryview(buf).cast("B")
     decode_payload_into(view[header.header_len:], header, out, mac)
@@ -275,8 +283,8 @@ def decode_payload_into(payload, header: ChunkHeader, out: torch.Tensor, mac: Op
     verify_payload(header, dest, mac)
 
 
-def decode(buf, expected_key: Optional[str],
-           alloc: Callable[[tuple, torch.dtype], object], mac: Optional[ChunkMac] = None):
+def decode(buf: ChunkBytes, expected_key: Optional[str],
+           alloc: AllocFn, mac: Optional[ChunkMac] = None) -> Optional[MemoryObj]:
     """Parses `buf`, allocates with `alloc(shape, dtype)` (a MemoryObj or None) and fills it.
 
     Returns the MemoryObj, or None when `alloc` could not provide memory. The object is released again

@@ -32,10 +32,10 @@ class LocalCPUBackend(StorageBackend):
         self._key_of: dict[int, str] = {}  # id(obj) -> key, for the eviction callback
 
     # ---- synchronous API (used directly by the manager) ------------------------------------------
-    def allocate(self, shape, dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
         return self.allocator.allocate(shape, dtype, timeout=timeout)
 
-    def try_allocate(self, shape, dtype: torch.dtype) -> Optional[MemoryObj]:
+    def try_allocate(self, shape: Sequence[int], dtype: torch.dtype) -> Optional[MemoryObj]:
         """Allocation for reads from lower tiers: never waits; None when memory is held by others."""
         try:
             return self.allocator.allocate(shape, dtype, timeout=0.0)

@@ -242,8 +242,8 @@ class LocalDiskBackend(StorageBackend):
             item = self._adopt(key)
         if item is None:
             return None  # the manager counts misses
-        path = os.path.join(self.path, item[0])
-        cfut: Future[Optional[MemoryObj]] = self._read_pool.submit(chunk_file.read_chunk, path, key, alloc, self.mac)
+        cfut: Future[Optional[MemoryObj]] = self._read_pool.submit(
+            chunk_file.read_chunk, os.path.join(self.path, item[0]), key, alloc, self.mac)
         with self._lock:
             self._reads_in_flight += 1
         cfut.add_done_callback(self._read_done)

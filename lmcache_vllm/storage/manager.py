@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -48,6 +48,7 @@ from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.registry import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,9 @@ class StorageManager(LowerTierReads):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="lmcache-storage-loop", daemon=True)
         self._thread.start()
-        self._queue: asyncio.Queue = asyncio.run_coroutine_threadsafe(
+        self._queue: asyncio.Queue[tuple[str, MemoryObj]] = asyncio.run_coroutine_threadsafe(
             self._make_queue(), self._loop).result()
-        self._writers: list[asyncio.Task] = []
+        self._writers: list[asyncio.Task[None]] = []
         if self.lower:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
@@ -94,7 +95,7 @@ class StorageManager(LowerTierReads):
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    async def _make_queue(self) -> asyncio.Queue:
+    async def _make_queue(self) -> asyncio.Queue[tuple[str, MemoryObj]]:
         return asyncio.Queue()
 
     def _start_writer(self) -> None:
@@ -127,7 +128,7 @@ class StorageManager(LowerTierReads):
                 self._queue.task_done()
 
     # ---- facade -----------------------------------------------------------------------------------
-    def allocate(self, shape, dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
         """A MemoryObj from the L1 arena (evicting LRU entries); raises memory.AllocationError when full."""
         return self.l1.allocate(shape, dtype, timeout=timeout)
 
@@ -198,7 +199,7 @@ class StorageManager(LowerTierReads):
     def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
         return len(self.prefix_tiers(keys))
 
-    def prefix_tiers(self, keys: Sequence[KeyLike]) -> list[str]:
+    def prefix_tiers(self, keys: Sequence[KeyLike]) -> list[Tier]:
         """The tier holding each key of the longest prefix of `keys` found (L1 first, then the first
         lower tier that has it); a tier that does not answer within the lookup timeout has nothing."""
         ks = [_key_str(k) for k in keys]
@@ -285,7 +286,8 @@ class StorageManager(LowerTierReads):
         self.l1.clear_sync()
         if not lower_tiers or self._closed or not self.lower:
             return True
-        async def clear_lower():  # gathered on the loop: its futures must belong to that loop
+        # Gathered on the loop: its futures must belong to that loop.
+        async def clear_lower() -> list[bool | None | BaseException]:
             return await asyncio.wait_for(
                 asyncio.gather(*(t.clear() for t in self.lower), return_exceptions=True), self.get_timeout)
 
@@ -301,7 +303,7 @@ class StorageManager(LowerTierReads):
             logger.warning("clearing %s failed", ", ".join(failed))
         return not failed
 
-    def _gauges(self):
+    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         """This manager's gauges for `metrics` (read when stats are taken)."""
         yield "write_queue_pending", {}, self._pending
         yield "prefetch_held_chunks", {}, self._holds.num_held()
@@ -367,5 +369,5 @@ class StorageManager(LowerTierReads):
     def __enter__(self) -> "StorageManager":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

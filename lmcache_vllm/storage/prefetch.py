@@ -84,7 +84,7 @@ class PrefetchHolds:
             released = []
             for key in keys:
                 entries = self._by_key.get(key, [])
-                for j, (o, obj) in enumerate(entries):
+                for j, (o, _obj) in enumerate(entries):
                     if o == owner:
                         released.append(entries.pop(j)[1])
                         break
@@ -110,7 +110,7 @@ class Located:
     """Where the chunks a prefetch asked for are: one tier name per chunk of the run found from the
     first key (`Tier.LOCAL_CPU` for L1, then the lower tiers' names)."""
 
-    tiers: tuple
+    tiers: tuple[str, ...]
 
     @property
     def num_chunks(self) -> int:
@@ -125,9 +125,9 @@ class PrefetchHandle:
     """A background read of lower-tier chunks into L1; what it found stays held until a `get` with its
     `owner` takes it, `cancel()` or the hold timeout."""
 
-    def __init__(self, future: Optional[concurrent.futures.Future], ready: int = 0,
+    def __init__(self, future: Optional[concurrent.futures.Future[int]], ready: int = 0,
                  release: Optional[Callable[[], None]] = None, owner: Optional[int] = None,
-                 lower_pending: bool = False):
+                 lower_pending: bool = False) -> None:
         self._future = future
         self._ready = ready  # chunks held from L1 when the prefetch started
         self._release = release
@@ -143,12 +143,12 @@ class PrefetchHandle:
         self._callbacks: list[Callable[[], None]] = []
         self._callbacks_lock = threading.Lock()
 
-    def attach(self, future: concurrent.futures.Future) -> None:
+    def attach(self, future: concurrent.futures.Future[int]) -> None:
         """The lower-tier phase, started after the handle exists (it reports back to the handle)."""
         self._future = future
         future.add_done_callback(self._located_if_never_answered)
 
-    def _located_if_never_answered(self, _future) -> None:
+    def _located_if_never_answered(self, _future: concurrent.futures.Future[int]) -> None:
         # Failed or cancelled before the lower tiers answered: what L1 held is all there is.
         if not self._located_event.is_set():
             self.set_located(_in_l1(self._ready))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.memory import MemoryObj
@@ -19,10 +19,30 @@ from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, rel
 from lmcache_vllm.storage.prefetch import Located, PrefetchHandle
 from lmcache_vllm.storage.tier import Tier
 
+if TYPE_CHECKING:
+    from lmcache_vllm.storage.local_cpu import LocalCPUBackend
+    from lmcache_vllm.storage.prefetch import PrefetchHolds
+
 logger = logging.getLogger(__name__)
 
 
+def _located_prefix(where: Sequence[Optional[StorageBackend]]) -> list[StorageBackend]:
+    """The tiers of the leading keys that some tier holds (up to the first key found nowhere)."""
+    prefix: list[StorageBackend] = []
+    for tier in where:
+        if tier is None:
+            break
+        prefix.append(tier)
+    return prefix
+
+
 class LowerTierReads:
+    # The manager's, set in `StorageManager.__init__`.
+    lower: list[StorageBackend]
+    l1: LocalCPUBackend
+    lookup_timeout: float
+    _holds: PrefetchHolds
+
     async def _locate(self, keys: Sequence[str],
                       tiers: Optional[Sequence[StorageBackend]] = None) -> list[Optional[StorageBackend]]:
         """For each key the first of `tiers` (default: the lower tiers) holding it (None: nowhere); one
@@ -47,10 +67,8 @@ class LowerTierReads:
             unknown = unknown_next
         return where
 
-    async def _prefix_in_lower(self, keys: Sequence[str]) -> list[str]:
-        where = await self._locate(keys)
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
-        return [tier.name for tier in where[:n]]
+    async def _prefix_in_lower(self, keys: Sequence[str]) -> list[Tier]:
+        return [tier.name for tier in _located_prefix(await self._locate(keys))]
 
     async def _fetch(self, keys: Sequence[str], where: Optional[list[Optional[StorageBackend]]] = None,
                      tiers: Optional[Sequence[StorageBackend]] = None) -> list[MemoryObj]:
@@ -59,14 +77,15 @@ class LowerTierReads:
         tiers = list(self.lower if tiers is None else tiers)
         if where is None:
             where = await self._locate(keys, tiers)
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        located = _located_prefix(where)
+        n = len(located)
         rank = {id(tier): r for r, tier in enumerate(tiers)}  # where each key's tier stands in `tiers`
         by_tier: dict[int, list[int]] = {}
         for i in range(n):
-            by_tier.setdefault(rank[id(where[i])], []).append(i)
+            by_tier.setdefault(rank[id(located[i])], []).append(i)
         alloc = self.l1.try_allocate
 
-        async def read(tier: StorageBackend, idx: list[int]):
+        async def read(tier: StorageBackend, idx: list[int]) -> list[Optional[MemoryObj]]:
             t0 = time.perf_counter()
             try:
                 return await tier.get_many([keys[i] for i in idx], alloc)
@@ -85,21 +104,26 @@ class LowerTierReads:
         for t, got in zip(reading, results):
             for i, obj in zip(by_tier[t], got):
                 objs[i] = obj
-        keep = next((i for i, obj in enumerate(objs) if obj is None), n)
+        kept: list[MemoryObj] = []
+        for obj in objs:
+            if obj is None:
+                break
+            kept.append(obj)
+        keep = len(kept)
         release_objs(objs[keep:])
-        for i in range(keep):
-            tier = where[i]
+        for i, obj in enumerate(kept):
+            tier = located[i]
             metrics.inc("chunk_hits", tier=tier.name)
-            metrics.inc("read_bytes", objs[i].nbytes, tier=tier.name)
-            self.l1.put_sync(keys[i], objs[i])
+            metrics.inc("read_bytes", obj.nbytes, tier=tier.name)
+            self.l1.put_sync(keys[i], obj)
         for r, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
-            asked = sum(1 for i in range(len(keys)) if where[i] is None or rank[id(where[i])] > r)
+            asked = sum(1 for i in range(len(keys)) if (held_by := where[i]) is None or rank[id(held_by)] > r)
             metrics.inc("chunk_misses", asked, tier=tier.name)
-        return objs[:keep]
+        return kept
 
     async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
         try:
-            objs = await self._fetch(keys)
+            objs: list[MemoryObj] = await self._fetch(keys)
         except asyncio.CancelledError:
             handoff.deliver([])
             raise

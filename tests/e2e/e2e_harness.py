@@ -4,7 +4,8 @@ and compare greedy tokens like with like.
 Every vLLM run here uses the same thread binding (`VLLM_CPU_OMP_THREADS_BIND=0`, one compute thread):
 with a connector configured vLLM reserves a core and would otherwise run with a different thread count
 than the reference, which changes greedy tokens for reasons unrelated to the cache. Every token comparison
-goes through `lmcache_vllm.integration.vllm.testing.reference` (re-exported here): the reference of a cached run is vLLM's
+goes through `lmcache_vllm.integration.vllm.testing.reference` (re-exported here): the reference of a cached run is
+vLLM's
 own prefix cache serving the same split.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ can be used and tested without paying for `import vllm`.
 __all__ = ["LMCacheConnector"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "LMCacheConnector":
         from lmcache_vllm.integration.vllm.connector import LMCacheConnector
 

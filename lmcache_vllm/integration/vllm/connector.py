@@ -65,12 +65,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+
 logger = logging.getLogger(__name__)
 
 _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
-_HIT_SOURCES = {Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
-                Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P}
+_HIT_SOURCES: dict[str, CacheHitSource] = {
+    Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
+    Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
@@ -196,8 +198,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(kv_caches)
         # The one start-up line with the resolved configuration (each worker rank, once).
         logger.info("%s, %d layers", logs.describe_config(
-            self.config, layout=self._worker.engine.layout if self._worker.engine else None, world_size=self._world_size,
-            role=self._kv_role), len(kv_caches))
+            self.config, layout=self._worker.engine.layout if self._worker.engine else None,
+            world_size=self._world_size, role=self._kv_role), len(kv_caches))
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33, before the KV cache is released (sleep, discard): no copy may touch it from now on.

@@ -1,4 +1,5 @@
-"""Our KV cache events (`lmcache_vllm.observability.kv_events`) through vLLM's KV event publisher, for cache-aware routers.
+"""Our KV cache events (`lmcache_vllm.observability.kv_events`) through vLLM's KV event publisher, for cache-aware
+routers.
 
 Each worker's connector hands vLLM the events of its process every step (`take_worker_events`); vLLM
 gathers the workers' containers into the scheduler's `update_connector_output`, and its `take_events`

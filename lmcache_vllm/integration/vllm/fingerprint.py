@@ -91,7 +91,7 @@ def weight_files(model: str, revision: str | None = None) -> list[str]:
     return sorted(f for suffix in WEIGHT_SUFFIXES for f in glob.glob(os.path.join(path, f"*{suffix}")))
 
 
-def weights_signature(files: list[str]) -> list[list]:
+def weights_signature(files: list[str]) -> list[list[Any]]:
     """[name, size, xxh3_128 of sampled blocks] per file (see the module docstring for its limits)."""
     out = []
     for file in files:
@@ -106,7 +106,7 @@ def weights_signature(files: list[str]) -> list[list]:
     return out
 
 
-def _kv_scales(vllm_config: "VllmConfig") -> list[list]:
+def _kv_scales(vllm_config: "VllmConfig") -> list[list[Any]]:
     """[layer name, k scale, v scale] of every attention layer (their static fp8 KV scales)."""
     scales = []
     for name, layer in sorted(vllm_config.compilation_config.static_forward_context.items()):

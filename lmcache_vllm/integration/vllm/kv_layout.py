@@ -31,7 +31,8 @@ def attention_hints(vllm_config: "VllmConfig", layer_name: str) -> dict[str, Any
     if isinstance(isa, str):
         hints["cpu_isa"] = isa
     try:
-        hints["backend"] = layer.get_attn_backend().get_name()
+        if layer is not None:
+            hints["backend"] = layer.get_attn_backend().get_name()
     except Exception:  # not every layer type exposes its backend (or none is bound yet): the views decide
         pass
     return hints

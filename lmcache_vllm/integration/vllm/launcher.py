@@ -15,7 +15,8 @@ from typing import Sequence
 _original_version = importlib.metadata.version
 
 
-def _version_with_cpu_fallback(name: str) -> str:
+def _version_with_cpu_fallback(distribution_name: str) -> str:
+    name = distribution_name  # the parameter's name is importlib.metadata.version's
     try:
         return _original_version(name)
     except importlib.metadata.PackageNotFoundError:

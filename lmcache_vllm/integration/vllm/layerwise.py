@@ -7,6 +7,7 @@ request, together: the worker steps them all at each layer vLLM announces.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Generator, Generic, TypeVar
 
 Tag = TypeVar("Tag")
@@ -46,7 +47,7 @@ class LayerSteps(Generic[Tag]):
     def step(self, on_error: Callable[[Tag, Exception], None]) -> None:
         """One step of every generator; finished and failed ones are dropped."""
         self.entries = [(tag, gen) for tag, gen in self.entries
-                        if advance(gen, lambda exc, tag=tag: on_error(tag, exc))]
+                        if advance(gen, functools.partial(on_error, tag))]
 
     def take(self) -> list[tuple[Tag, LayerGenerator]]:
         """Every generator still running, handed over (and forgotten here)."""

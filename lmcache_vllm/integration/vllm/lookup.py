@@ -104,7 +104,7 @@ def private_socket_dir(path: str) -> str:
     return path
 
 
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
+def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
@@ -130,7 +130,7 @@ class LookupAnswer(NamedTuple):
     pending: bool = False  # a slower tier has not said yet where the chunks are: ask again
 
     @classmethod
-    def of(cls, value) -> "LookupAnswer":
+    def of(cls, value: LookupAnswer | int) -> "LookupAnswer":
         """A lookup function's result (a LookupAnswer, or a plain hit count) as a LookupAnswer."""
         return value if isinstance(value, LookupAnswer) else cls(int(value))
 
@@ -180,7 +180,7 @@ class LookupServer:
         self._lookup_fn = lookup_fn
         self.max_tokens = int(max_tokens)
         self._commands = dict(commands or {})
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A peer sending a larger message is disconnected by ZMQ before it is buffered.
@@ -303,7 +303,7 @@ class LookupClient:
         if not addresses:
             raise ValueError("LookupClient needs at least one server address")
         self.timeout_ms = max(1, int(timeout_ms))
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sockets = []
         for address in addresses:
             sock = self._ctx.socket(zmq.DEALER)
@@ -319,8 +319,9 @@ class LookupClient:
         if not self.direct:
             return None
         with _local_lock:
-            servers = [_local_servers.get(a) for a in self._addresses]
-        return None if None in servers else servers
+            found = [_local_servers.get(a) for a in self._addresses]
+        servers = [s for s in found if s is not None]
+        return servers if len(servers) == len(found) else None
 
     def lookup(self, query: LookupQuery) -> LookupAnswer:
         servers = self._local()
@@ -366,7 +367,7 @@ class LookupClient:
                 logs.warn(logger, "lookup_timeout", "lookup channel: no answer after %d ms (%d/%d ranks "
                           "answered)", self.timeout_ms, len(answers), len(self._sockets))
                 return None
-            ready = dict(poller.poll(left))
+            ready = dict(poller.poll(int(left)))  # whole ms, as pyzmq would round it
             for index, sock in enumerate(self._sockets):
                 if sock not in ready:
                     continue

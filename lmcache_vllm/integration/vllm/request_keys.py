@@ -137,7 +137,7 @@ class RequestKeys:
             prefix += _item(b"salt", str(salt).encode())
         spans = [self._mm_span(feature) for feature in mm_features or ()]
         if embeds is not None:
-            spans.extend(self._embeds_spans(request))
+            spans.extend(self._embeds_spans(request, embeds))
         return ExtraKeys(prefix, tuple(spans))
 
     @staticmethod
@@ -152,8 +152,7 @@ class RequestKeys:
             raise UncacheableRequest("mm_unidentified", f"multimodal item at [{offset}, +{length})")
         return ExtraSpan(offset, offset + length, _item(b"mm", str(identifier).encode()))
 
-    def _embeds_spans(self, request: "Request") -> list[ExtraSpan]:
-        embeds = request.prompt_embeds
+    def _embeds_spans(self, request: "Request", embeds: torch.Tensor) -> list[ExtraSpan]:
         mask = request.prompt_is_token_ids
         num = int(embeds.shape[0])
         head = _item(b"pe", f"{embeds.dtype}/{tuple(embeds.shape[1:])}".encode())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +22,7 @@ _omp_set_num_threads = None
 _looked_up = False
 
 
-def _omp_setter():
+def _omp_setter() -> Callable[[int], Any] | None:
     global _omp_set_num_threads, _looked_up
     if not _looked_up:
         _looked_up = True

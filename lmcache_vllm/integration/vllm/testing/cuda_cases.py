@@ -157,4 +157,5 @@ def unit_bytes(case: KernelCase, kernel: Any) -> int:
     layout = detect_layout(views, **case.view.describe())
     slots = torch.zeros(1, dtype=torch.int64)
     chunk = chunk_factory(case.chunk, torch.device("cpu"))(torch.zeros(layout.chunk_shape(1), dtype=case.view.dtype))
-    return kernel.with_chunk_path(case.chunk != "plain").unit_bytes(views, slots, chunk, views[0].shape[2])
+    width: int = kernel.with_chunk_path(case.chunk != "plain").unit_bytes(views, slots, chunk, views[0].shape[2])
+    return width

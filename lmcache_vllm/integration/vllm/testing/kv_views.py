@@ -83,11 +83,12 @@ def vllm_kv_views(case: KVViewCase, device: torch.device | str = "cpu") -> list[
     try:  # vLLM 0.32
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     except ImportError:  # vLLM 0.33 moved it
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # type: ignore[no-redef]
 
     cache_config = CacheConfig(block_size=case.block_size)
     cache_config.kv_cache_layout = case.layout
     vllm_config = VllmConfig(cache_config=cache_config)
+    spec: FullAttentionSpec  # MLAAttentionSpec is one
     if case.mla:
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=case.head_size,
                                 dtype=case.dtype)

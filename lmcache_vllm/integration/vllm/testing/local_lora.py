@@ -32,7 +32,8 @@ def build_lora(model_dir: str | os.PathLike, out: str | os.PathLike, seed: int, 
         for module in TARGETS:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, hidden, generator=gen) * scale).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(outs[module], rank, generator=gen) * scale).to(torch.bfloat16)
+            lora_b = torch.randn(outs[module], rank, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = lora_b.to(torch.bfloat16)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "adapter_model.safetensors"))

@@ -139,12 +139,12 @@ def _build_weights(recipe: ModelRecipe, out: Path) -> None:
         num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
         max_position_embeddings=recipe.max_position_embeddings,
         initializer_range=recipe.initializer_range, bos_token_id=0, eos_token_id=1,
-        pad_token_id=3, tie_word_embeddings=False, torch_dtype="bfloat16")
+        pad_token_id=3, tie_word_embeddings=False, torch_dtype="bfloat16")  # type: ignore[call-arg]  # a **kwargs key the stubs of this transformers omit
     if recipe.sliding_window:  # read by vLLM's Llama per layer; the weights do not depend on them
         cfg.layer_types = recipe.layer_types()
         cfg.sliding_window = recipe.sliding_window
     torch.manual_seed(recipe.seed)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types to() wrongly
     model.save_pretrained(str(out))
 
 

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import REPO_ROOT
 
@@ -23,7 +23,8 @@ from lmcache_vllm.integration.vllm.testing.vllm_jobs import REPO_ROOT
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def launcher(python: str | None = None) -> list[str]:
@@ -34,16 +35,18 @@ def launcher(python: str | None = None) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_vllm.cli"]
 
 
-def post(url: str, body: dict, timeout: float = 120) -> dict:
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+        answer: dict[str, Any] = json.loads(resp.read())
+        return answer
 
 
-def cached_tokens(answer: dict) -> int:
+def cached_tokens(answer: dict[str, Any]) -> int:
     """Prompt tokens an OpenAI completion says came from a cache (needs --enable-prompt-tokens-details)."""
-    return (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    cached: int = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return cached
 
 
 def stream(url: str, body: dict, timeout: float = 120,

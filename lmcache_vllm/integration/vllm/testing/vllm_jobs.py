@@ -78,7 +78,7 @@ def run_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0, ti
     if proc.returncode != 0 or not out_path.exists():
         tail = log_path.read_text()[-6000:]
         raise RuntimeError(f"vLLM job {name} failed (exit {proc.returncode}); log tail:\n{tail}")
-    result = json.loads(out_path.read_text())
+    result: dict[str, Any] = json.loads(out_path.read_text())
     result["log"] = str(log_path)
     return result
 
@@ -87,5 +87,6 @@ def phase_results(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
     """The per-prompt results of the phase called `name`."""
     for p in result["phases"]:
         if p["name"] == name:
-            return p["results"]
+            results: list[dict[str, Any]] = p["results"]
+            return results
     raise KeyError(name)
