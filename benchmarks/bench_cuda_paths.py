@@ -26,8 +26,8 @@ from _common import cpu_model, parse_args, write_json  # (importing it puts the 
 from bench_ops import interleaved, with_mode
 
 from lmcache_vllm import ops
-from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
+from lmcache_vllm.layouts import detect_layout
 
 CASE = KVViewCase(layout="LBNHC", num_layers=32, num_blocks=256, block_size=16, num_kv_heads=8, head_size=128)
 TOKENS = 256

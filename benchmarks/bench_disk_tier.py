@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
-
 import torch  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402

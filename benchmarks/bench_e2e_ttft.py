@@ -48,6 +48,7 @@ from _common import REPO_ROOT, parse_args, print_table, write_json
 from lmcache_vllm.integration.vllm.testing.reference import like_with_like
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
+
 def _tokens(seed: int, n: int) -> list[int]:
     return random_tokens(seed, n)
 

@@ -24,15 +24,14 @@ import statistics
 
 import numpy as np
 import torch
-
 from _common import best_of, gbps, parse_args, print_table, run_peer, write_json
 
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
+from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, kv_views
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.storage.manager import StorageManager
-from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, kv_views
-from lmcache_vllm.extra_keys import ExtraKeys, ExtraSpan
 from lmcache_vllm.tokens import DEFAULT_HASH_ALGORITHM, SUPPORTED_HASH_ALGORITHMS, ChunkHasher, KeyBuilder
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, CHUNK = 32, 8, 128, 128, 256

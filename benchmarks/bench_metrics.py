@@ -12,8 +12,8 @@ import tempfile
 
 from _common import best_of, parse_args, print_table, write_json
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import load_config
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.manager import StorageManager
 
 

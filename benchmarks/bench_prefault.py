@@ -14,7 +14,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
-
 import torch  # noqa: E402
 
 from lmcache_vllm.memory import HostAllocator  # noqa: E402

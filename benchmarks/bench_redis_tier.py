@@ -23,12 +23,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
-
 import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 
-from lmcache_vllm.storage import codec  # noqa: E402
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
+from lmcache_vllm.storage import codec  # noqa: E402
 from lmcache_vllm.storage.redis import RedisBackend  # noqa: E402
 
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from lmcache_vllm.storage.redis.client import ClientSettings
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # the tier or server could not be reached or read
@@ -96,7 +99,7 @@ def _confirm(question: str) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def _redis_settings(args: argparse.Namespace):
+def _redis_settings(args: argparse.Namespace) -> ClientSettings:
     from lmcache_vllm.storage.redis.client import ClientSettings
 
     return ClientSettings(timeout=args.timeout, ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile,

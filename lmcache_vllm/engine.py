@@ -17,12 +17,12 @@ from typing import Callable, Generator, Sequence
 
 import torch
 
-from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj
-from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.prefetch import PrefetchHandle

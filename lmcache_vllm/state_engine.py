@@ -35,7 +35,7 @@ class StateEngine:
         self.keys = keys
         self.storage = storage
         self.caches = list(caches)
-        self._releases = DeferredRelease()  # type: ignore[no-untyped-call]
+        self._releases = DeferredRelease()
 
     def _key(self, tokens: TokenIds, boundary: int, extra: ExtraKeys | None) -> CacheKey | None:
         cs = self.keys.chunk_size

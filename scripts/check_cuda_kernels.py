@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from lmcache_vllm import ops  # noqa: E402
-from lmcache_vllm.layouts import detect_layout  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.cuda_cases import build_views, kernel_cases, run_case, unit_bytes  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.kv_views import LAYOUTS, KVViewCase, fill_known  # noqa: E402
+from lmcache_vllm.layouts import detect_layout  # noqa: E402
 
 
 def the_kernel(device: str, build: str):

@@ -13,6 +13,12 @@ fi
 TMPDIR=$(mktemp -d /tmp/lmv-test-XXXXXX)
 export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
+# Lint and types first: seconds with their caches (mypy's first run takes a few minutes), and a
+# failure here stops the slow tests. Settings: ruff.toml, mypy.ini.
+echo "[test] ruff check"
+.venv/bin/python -m ruff check . || exit 1
+echo "[test] mypy"
+.venv/bin/python -m mypy || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" = 5 ]; then

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import redis
 import torch
+from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.loads import FIRST_ANSWER_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
-from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config
+from lmcache_vllm.observability import metrics
 
 # What one worker call may take while a tier is slow (it does no tier I/O). Generous for a loaded 2-core
 # runner, yet below every pause of a tier below (>= PAUSE_S), so a call that waited for the tier still fails.

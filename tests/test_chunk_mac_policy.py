@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from lmcache_vllm import cli
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import ConfigError, LMCacheConfig
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.registry import MAC_KEY_ENV

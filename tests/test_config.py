@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from lmcache_vllm.config import loader as config_mod
 from lmcache_vllm import tokens
-from lmcache_vllm.memory import prefault
 from lmcache_vllm.config import HASH_ALGORITHMS, ConfigError, ExtraConfig, LMCacheConfig, load_config
+from lmcache_vllm.config import loader as config_mod
+from lmcache_vllm.memory import prefault
 
 
 def write_yaml(tmp_path, text, name="lmcache.yaml"):

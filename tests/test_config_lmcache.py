@@ -11,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_vllm.config import doc as config_doc
 from lmcache_vllm.config import ExtraConfig, LMCacheConfig, inspect_config, load_config
-from lmcache_vllm.config.lmcache import (LMCACHE_ENV_PREFIXES, LMCACHE_ENV_VARS, LMCACHE_EXTRA_KEYS,
-                                         LMCACHE_KEYS, UNSUPPORTED)
+from lmcache_vllm.config import doc as config_doc
 from lmcache_vllm.config.fields import did_you_mean
+from lmcache_vllm.config.lmcache import (
+    LMCACHE_ENV_PREFIXES,
+    LMCACHE_ENV_VARS,
+    LMCACHE_EXTRA_KEYS,
+    LMCACHE_KEYS,
+    UNSUPPORTED,
+)
 from lmcache_vllm.config.sources import OWN_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[1]

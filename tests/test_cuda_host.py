@@ -23,14 +23,13 @@ import pytest
 import torch
 
 from lmcache_vllm import ops
-
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import load_config
-from lmcache_vllm.layouts import LayoutError, detect_layout
-from lmcache_vllm.layouts.kernel_check import backing, scratch_views
 from lmcache_vllm.integration.vllm.testing.cuda_cases import build_views, kernel_cases, run_case
 from lmcache_vllm.integration.vllm.testing.cuda_host import HostKernelUnavailable, host_kernel
 from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
+from lmcache_vllm.layouts import LayoutError, detect_layout
+from lmcache_vllm.layouts.kernel_check import backing, scratch_views
+from lmcache_vllm.observability import metrics
 
 try:
     host_kernel("as_built")

@@ -4,11 +4,11 @@ import dataclasses
 import pytest
 import torch
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
 from lmcache_vllm.layouts import CpuVecLayout
 from lmcache_vllm.layouts.base import KVGeometry
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 64, 16, 64

@@ -20,8 +20,8 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from lmcache_vllm.integration.vllm import LMCacheConnector  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
-from lmcache_vllm.layouts import StridedKVLayout  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.local_model import build_model  # noqa: E402
+from lmcache_vllm.layouts import StridedKVLayout  # noqa: E402
 
 try:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups

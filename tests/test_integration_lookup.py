@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import zmq
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
 from lmcache_vllm.integration.vllm.lookup import (
     LookupAnswer,
@@ -24,6 +23,7 @@ from lmcache_vllm.integration.vllm.lookup import (
     lookup_socket_path,
     private_socket_dir,
 )
+from lmcache_vllm.observability import metrics
 
 
 def hit(end: int, start: int = 0, tiers: tuple = ()) -> LookupAnswer:

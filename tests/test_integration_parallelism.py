@@ -8,8 +8,12 @@ pytest.importorskip("vllm")
 
 from vllm.config import ParallelConfig  # noqa: E402
 
-from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailureAgreement,  # noqa: E402
-                                                       UnsupportedParallelism, check_supported)
+from lmcache_vllm.integration.vllm.parallelism import (  # noqa: E402
+    ParallelLayout,
+    TPFailureAgreement,
+    UnsupportedParallelism,
+    check_supported,
+)
 
 
 class _Config:

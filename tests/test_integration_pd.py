@@ -12,23 +12,21 @@ import torch
 
 pytest.importorskip("vllm")
 
+from test_async_loads import finish_async, slots  # noqa: E402
+from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config  # noqa: E402
+from test_integration_scheduler import PrefixStore, cached_step, new_step, vllm_blocks  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
-from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec,  # noqa: E402
-                                                    PeerSpec, SaveSpec)
-from lmcache_vllm.integration.vllm.pd.params import (PDRefusal, check_compatible, parse_remote_prefill,  # noqa: E402
-                                                     prefill_params)
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec, SaveSpec  # noqa: E402
+from lmcache_vllm.integration.vllm.pd.params import PDRefusal, check_compatible, parse_remote_prefill, prefill_params  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.worker import WorkerHalf  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
-from test_async_loads import finish_async, slots  # noqa: E402
-from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config  # noqa: E402
-from test_integration_scheduler import PrefixStore, cached_step, new_step, vllm_blocks  # noqa: E402
 
 S_CHUNK, S_BLOCK = 256, 128
 TOY_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

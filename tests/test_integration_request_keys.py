@@ -14,12 +14,12 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # no
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from lmcache_vllm.observability import metrics  # noqa: E402
+from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.extra_keys import NO_EXTRA_KEYS  # noqa: E402
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest  # noqa: E402
-from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.local_lora import build_lora  # noqa: E402
+from lmcache_vllm.observability import metrics  # noqa: E402
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder  # noqa: E402
 
 CHUNK = 256

@@ -11,11 +11,11 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from lmcache_vllm.observability import metrics  # noqa: E402
+from lmcache_vllm.config import ConfigError, LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import slot_mapping_for  # noqa: E402
-from lmcache_vllm.config import ConfigError, LMCacheConfig  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
+from lmcache_vllm.observability import metrics  # noqa: E402
 
 CHUNK, BLOCK = 256, 128
 

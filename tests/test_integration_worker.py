@@ -4,12 +4,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine, worker_config
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
-from test_engine import BLOCK, BLOCKS, CHUNK, kv_of, make_caches, make_engine, worker_config
+from lmcache_vllm.observability import metrics
 
 
 def _worker(engine, caches, async_save=True):

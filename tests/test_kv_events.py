@@ -1,9 +1,9 @@
 """KV events from the real engine and tiers: what each tier gains and loses, with the parent digest and
 token ids of each chunk; and their release to vLLM once every TP rank reported them."""
 import pytest
+from test_engine import CHUNK, make_caches, make_engine, slots_for
 
 from lmcache_vllm.observability import kv_events
-from test_engine import CHUNK, make_caches, make_engine, slots_for
 
 
 def _events(kind=None):

@@ -13,9 +13,17 @@ import pytest
 import torch
 
 from lmcache_vllm import ops
-from lmcache_vllm.layouts import (CpuAmxLayout, CpuVecLayout, KVGeometry, LayoutError, StridedKVLayout,
-                                  UnsupportedLayoutError, detect_layout, plan_slots)
 from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, all_cases, kv_views, vllm_kv_views
+from lmcache_vllm.layouts import (
+    CpuAmxLayout,
+    CpuVecLayout,
+    KVGeometry,
+    LayoutError,
+    StridedKVLayout,
+    UnsupportedLayoutError,
+    detect_layout,
+    plan_slots,
+)
 
 MODES = ["torch"] + (["compiled"] if ops.cpu_ext() is not None else [])
 try:

@@ -4,8 +4,8 @@ one warning while every failed call is counted."""
 import logging
 import time
 
-from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.config import load_config
+from lmcache_vllm.observability import logs, metrics
 
 
 def test_one_warning_per_kind_and_interval(caplog):

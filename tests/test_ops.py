@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lmcache_vllm import ops
-from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
+from lmcache_vllm.layouts import detect_layout
 
 cpu_ext = ops.cpu_ext()
 needs_cpu_ext = pytest.mark.skipif(cpu_ext is None, reason="lmcache_vllm._cpu_ops not built "

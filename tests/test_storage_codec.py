@@ -6,8 +6,8 @@ import pytest
 import torch
 import xxhash
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.codec import CorruptEntry
 

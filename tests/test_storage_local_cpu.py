@@ -2,8 +2,8 @@
 
 import torch
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 
 SHAPE = (4, 1024)  # 16 KiB of float32

@@ -14,8 +14,8 @@ import time
 import redis
 import torch
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.local_disk import filename_for
 from lmcache_vllm.storage.manager import StorageManager
 

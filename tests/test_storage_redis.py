@@ -12,10 +12,10 @@ import pytest
 import redis
 import torch
 
-from lmcache_vllm.observability import metrics
-from lmcache_vllm.memory import HostAllocator
-from lmcache_vllm.storage import codec
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.memory import HostAllocator
+from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage import codec
 from lmcache_vllm.storage.redis import RedisBackend
 
 pytestmark = pytest.mark.redis

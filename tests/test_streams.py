@@ -21,11 +21,11 @@ import torch
 from lmcache_vllm import ops
 from lmcache_vllm.config import load_config
 from lmcache_vllm.engine import CacheEngine
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence, SideStream, copy_stream, valid_runs
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.memory.pinned import PAGE, pinned_arena
-from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

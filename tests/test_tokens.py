@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_vllm.tokens import (SUPPORTED_HASH_ALGORITHMS, CacheKey, ChunkHasher, KeyBuilder,
-                                 token_bytes)
+from lmcache_vllm.tokens import SUPPORTED_HASH_ALGORITHMS, CacheKey, ChunkHasher, KeyBuilder, token_bytes
 
 # Hard-coded digests of tokens 0..9 with chunk_size 4 (two full chunks and a partial one). If these
 # change, stored caches written by earlier versions become unreachable: bump TOKEN_HASH_SCHEME.

@@ -130,7 +130,8 @@ def _inspect_node(client: redis.Redis, prefix: str, verify: bool, report: TierRe
             if problem is not None:
                 report.add_corrupt(name, problem)
             else:
-                when = now - idle[i] if isinstance(idle[i], int) else None
+                idle_s = idle[i]
+                when = now - idle_s if isinstance(idle_s, int) else None
                 report.add_chunk(key, length, when)
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.admin.report import human_bytes, table
+from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.tier import TIER_NAMES
 
 _VLLM_LABELS = {"model_name", "engine"}

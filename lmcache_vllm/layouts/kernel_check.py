@@ -30,9 +30,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from lmcache_vllm import ops
-
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.layouts.errors import LayoutError
+from lmcache_vllm.observability import metrics
 
 
 class CheckedLayout(Protocol):

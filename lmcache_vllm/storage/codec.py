@@ -37,7 +37,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
@@ -267,7 +267,8 @@ def decode_into(buf: ChunkBytes, header: ChunkHeader, out: torch.Tensor, mac: Op
     decode_payload_into(view[header.header_len:], header, out, mac)
 
 
-def decode_payload_into(payload, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
+def decode_payload_into(payload: ChunkBytes, header: ChunkHeader, out: torch.Tensor,
+                        mac: Optional[ChunkMac] = None) -> None:
     """Copies and checks a payload that arrived apart from its header (a network frame) into `out`."""
     if tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise ValueError(f"destination is {tuple(out.shape)}/{out.dtype}, chunk is "
@@ -294,8 +295,8 @@ def decode(buf: ChunkBytes, expected_key: Optional[str],
     return _alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
 
 
-def decode_parts(header_buf, payload, expected_key: Optional[str],
-                 alloc: Callable[[tuple, torch.dtype], object], mac: Optional[ChunkMac] = None):
+def decode_parts(header_buf: ChunkBytes, payload: ChunkBytes, expected_key: Optional[str],
+                 alloc: AllocFn, mac: Optional[ChunkMac] = None) -> Optional[MemoryObj]:
     """`decode` for a header and a payload that arrived as separate buffers (network frames): the header
     buffer must be exactly the header, the payload exactly the payload."""
     header = parse_header(header_buf, expected_key)
@@ -304,8 +305,8 @@ def decode_parts(header_buf, payload, expected_key: Optional[str],
     return _alloc_and_fill(header, payload, alloc, mac)
 
 
-def _alloc_and_fill(header: ChunkHeader, payload, alloc: Callable[[tuple, torch.dtype], Any],
-                    mac: Optional[ChunkMac]):
+def _alloc_and_fill(header: ChunkHeader, payload: ChunkBytes, alloc: AllocFn,
+                    mac: Optional[ChunkMac]) -> Optional[MemoryObj]:
     obj = alloc(header.shape, header.dtype)
     if obj is None:
         return None

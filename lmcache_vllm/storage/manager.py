@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.memory import HostAllocator, MemoryObj
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import Handoff, StorageBackend
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds

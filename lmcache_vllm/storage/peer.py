@@ -56,7 +56,7 @@ class PeerSource:
 def send_release(source: PeerSource, mac: Optional[ChunkMac] = None) -> None:
     """Tells a prefill instance it may drop its hold for `source.req_id` (fire and forget: a dead instance
     loses nothing, its hold expires)."""
-    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, RELEASE_LINGER_MS)
         sock.connect(source.endpoint)

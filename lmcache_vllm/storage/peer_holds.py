@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import metrics
@@ -214,7 +214,7 @@ class PeerHolds:
         with self._lock:
             return len(self._holds)
 
-    def _gauges(self):
+    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         with self._lock:
             holds = list(self._holds.values())
         yield "pd_holds", {}, len(holds)

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -30,6 +31,9 @@ from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.peer_holds import HoldState, PeerHolds
+
+if TYPE_CHECKING:
+    from lmcache_vllm.memory import MemoryObj
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ class TransferServer:
         self.host = host
         self.mac = mac
         self.unknown_grace_s = float(unknown_grace_s)
-        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not a silent drop
         self._socket.setsockopt(zmq.SNDHWM, 0)  # queued sends are references into the arena, not copies
@@ -146,7 +150,8 @@ class TransferServer:
             return
         self._send(entry.identity, request, checkout.objs, checkout.headers)
 
-    def _send(self, identity: bytes, request: wire.PeerRequest, objs: list, headers: tuple[bytes, ...]) -> None:
+    def _send(self, identity: bytes, request: wire.PeerRequest, objs: list[MemoryObj],
+              headers: tuple[bytes, ...]) -> None:
         sends = []
         sent_bytes = 0
         try:

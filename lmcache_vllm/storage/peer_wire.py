@@ -23,7 +23,7 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -88,12 +88,12 @@ def encode_request(op: bytes, req_id: str, keys: Sequence[str] = (), mac: Option
     return [PROTOCOL, op, rid, blob, request_auth(mac, op, rid, blob)]
 
 
-def parse_request(frames: Sequence) -> PeerRequest:
+def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes, memoryview or zmq.Frame
     """A request as the server received it (without the ROUTER's identity frame)."""
-    frames = [bytes(f) for f in frames]
-    if len(frames) != 5 or frames[0] != PROTOCOL or frames[1] not in (PULL, RELEASE):
-        raise PeerProtocolError(f"not a request of {PROTOCOL!r} ({len(frames)} frames)")
-    _, op, rid, blob, auth = frames
+    parts = [bytes(f) for f in frames]
+    if len(parts) != 5 or parts[0] != PROTOCOL or parts[1] not in (PULL, RELEASE):
+        raise PeerProtocolError(f"not a request of {PROTOCOL!r} ({len(parts)} frames)")
+    _, op, rid, blob, auth = parts
     if not rid or len(rid) > MAX_REQ_ID:
         raise PeerProtocolError(f"request id of {len(rid)} bytes")
     try:
@@ -124,7 +124,7 @@ def chunk_header(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None)
 
 
 def chunk_reply(index: int, key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None,
-                header: Optional[bytes] = None) -> list:
+                header: Optional[bytes] = None) -> list[bytes | memoryview]:
     """The CHUNK message of one held chunk; its last frame is a zero-copy view of the tensor's bytes."""
     if header is None:
         header = chunk_header(key, tensor, mac)
@@ -139,13 +139,13 @@ def error_reply(code: bytes, detail: str = "") -> list[bytes]:
     return [PROTOCOL, ERR, code, detail.encode("utf-8")[:4096]]
 
 
-def _buffer(frame) -> bytes | memoryview:
+def _buffer(frame: Any) -> bytes | memoryview:
     """A frame's bytes without a copy (zmq.Frame, bytes or memoryview)."""
     buf = getattr(frame, "buffer", frame)
     return buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
 
 
-def parse_reply(frames: Sequence) -> PeerReply:
+def parse_reply(frames: Sequence[Any]) -> PeerReply:
     """One reply message as D received it; `PeerProtocolError` for anything else."""
     parts = [_buffer(f) for f in frames]
     if len(parts) < 3 or bytes(parts[0]) != PROTOCOL:
@@ -162,7 +162,7 @@ def parse_reply(frames: Sequence) -> PeerReply:
 
 
 def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
-                 alloc: Callable[[tuple, torch.dtype], Optional[MemoryObj]],
+                 alloc: Callable[[tuple[int, ...], torch.dtype], Optional[MemoryObj]],
                  mac: Optional[ChunkMac] = None) -> Optional[MemoryObj]:
     """The chunk of a CHUNK reply, checked: the index D expects next, D's own key for it, header and payload
     checksums, shape against length, MAC. None when `alloc` has no memory; `CorruptEntry` (or

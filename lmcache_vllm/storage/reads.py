@@ -13,8 +13,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.prefetch import Located, PrefetchHandle
 from lmcache_vllm.storage.tier import Tier
@@ -162,9 +162,10 @@ class LowerTierReads:
             # they answered, swallowing it: without this check the prefetch of a request that went
             # away read every chunk into the arena anyway.
             raise asyncio.CancelledError()
-        n = next((i for i, tier in enumerate(where) if tier is None), len(where))
+        located = _located_prefix(where)
+        n = len(located)
         if ready is not None:
-            handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(where[i].name for i in range(n))))
+            handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(tier.name for tier in located)))
         if n == 0:
             return 0
         objs = await self._fetch(keys[:n], where[:n], tiers)

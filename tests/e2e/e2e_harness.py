@@ -13,11 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmcache_vllm.integration.vllm.testing.vllm_jobs import (CONNECTOR, REPO_ROOT, connector_config, random_tokens,  # noqa: F401
-                                            run_job, vllm_env)
+from lmcache_vllm.integration.vllm.testing.reference import (  # noqa: F401
+    assert_like_with_like,
+    hit_splits_agree,
+    reference_job,
+    replay,
+)
+from lmcache_vllm.integration.vllm.testing.vllm_jobs import (  # noqa: F401
+    CONNECTOR,
+    REPO_ROOT,
+    connector_config,
+    random_tokens,
+    run_job,
+    vllm_env,
+)
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import phase_results as phase  # noqa: F401
-from lmcache_vllm.integration.vllm.testing.reference import (assert_like_with_like, hit_splits_agree,  # noqa: F401
-                                            reference_job, replay)
 
 CHUNK = 256  # chunk_size of every connector config in the e2e tests
 BLOCK = 128  # vLLM's CPU block size

@@ -24,9 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import e2e_harness as h
+import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

@@ -16,9 +16,9 @@ import json
 import shutil
 from pathlib import Path
 
+import e2e_harness as h
 import pytest
 
-import e2e_harness as h
 from lmcache_vllm.integration.vllm.testing.local_lora import build_lora
 from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, serve
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import e2e_harness as h
+import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

@@ -20,10 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import e2e_harness as h
 import pytest
 import yaml
-
-import e2e_harness as h
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

@@ -31,9 +31,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import e2e_harness as h
 import pytest
 
-import e2e_harness as h
 from lmcache_vllm.integration.vllm.testing.openai_server import free_port, post, scrape, serve
 
 pytest.importorskip("vllm")

@@ -19,12 +19,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import e2e_harness as h
 import pytest
 
-import e2e_harness as h
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
 from lmcache_vllm.integration.vllm.testing.openai_server import launcher as _launcher
 from lmcache_vllm.integration.vllm.testing.openai_server import post as _post
-from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e

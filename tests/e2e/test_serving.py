@@ -18,10 +18,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import e2e_harness as h
 import pytest
 import redis
 
-import e2e_harness as h
 from lmcache_vllm.integration.vllm.testing import openai_server as serving
 
 pytest.importorskip("vllm")

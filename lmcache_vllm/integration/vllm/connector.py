@@ -24,7 +24,6 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -33,37 +32,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
 from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
 from lmcache_vllm.integration.vllm.lookup import LookupClient
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
-from lmcache_vllm.integration.vllm.parallelism import (ParallelLayout, TPFailureAgreement, check_supported,
-                                                       worker_layout)
+from lmcache_vllm.integration.vllm.parallelism import ParallelLayout, TPFailureAgreement, check_supported, worker_layout
 from lmcache_vllm.integration.vllm.pd.params import advertised_host
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:
-    from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
-    from lmcache_vllm.grouped_engine import GroupedEngine
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from lmcache_vllm.engine import CacheEngine
+    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
 
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
+from lmcache_vllm.integration.vllm.groups import load_parts
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, OpenPeer, RequestLoads
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
-from lmcache_vllm.integration.vllm.groups import load_parts
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, slot_mapping_for
 from lmcache_vllm.observability import logs, metrics
 

@@ -20,16 +20,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LoadSpec, PeerSpec
+from lmcache_vllm.observability import metrics
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
-    from lmcache_vllm.storage.base import StorageBackend
     from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
+    from lmcache_vllm.storage.base import StorageBackend
 
 # A prefill instance of a load (`LoadSpec.peer`) -> the tier that pulls from it (`pd/worker.py`).
 OpenPeer = Callable[[PeerSpec], "StorageBackend"]
@@ -129,8 +129,10 @@ class RequestLoads:
     def begin_async(self, spec: LoadSpec) -> None:
         held = self.take(spec.req_id)
         if held is None and spec.peer is not None and self.open_peer is not None:
-            held = self.engine.lookup_and_hold(spec.token_ids, spec.skip_leading, spec.extra,
-                                               peer=self.open_peer(spec.peer))
+            # open_peer is set only for an engine of one KV cache group (worker.py: no PD for grouped models)
+            engine = cast("CacheEngine", self.engine)
+            held = engine.lookup_and_hold(spec.token_ids, spec.skip_leading, spec.extra,
+                                          peer=self.open_peer(spec.peer))
         job = AsyncLoad(spec, held, time.monotonic() + self.timeout_s)
         with self._lock:
             self._async[spec.req_id] = job

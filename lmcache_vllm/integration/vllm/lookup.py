@@ -50,8 +50,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import zmq
 
-from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.extra_keys import MAX_EXTRA_BYTES, NO_EXTRA_KEYS, ExtraKeys
+from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.tier import TIER_NAMES, Tier
 
 logger = logging.getLogger(__name__)

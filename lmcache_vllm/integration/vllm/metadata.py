@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from lmcache_vllm.extra_keys import ExtraKeys

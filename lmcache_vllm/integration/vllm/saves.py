@@ -25,8 +25,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from lmcache_vllm.observability import metrics
 from lmcache_vllm.integration.vllm.metadata import SaveSpec
+from lmcache_vllm.observability import metrics
 
 logger = logging.getLogger(__name__)
 

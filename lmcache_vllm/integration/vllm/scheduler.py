@@ -48,8 +48,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.groups import SchedulerGroups
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
-from lmcache_vllm.integration.vllm.metadata import (LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec,
-                                                    SaveSpec)
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec, SaveSpec
 from lmcache_vllm.integration.vllm.pd.params import RemotePrefill, wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest

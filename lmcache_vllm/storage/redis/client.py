@@ -84,7 +84,7 @@ def async_client(target: RedisTarget, settings: ClientSettings) -> Any:
     if target.topology is Topology.CLUSTER:
         return aiocluster.RedisCluster(
             startup_nodes=[aiocluster.ClusterNode(host, port) for host, port in target.nodes],
-            require_full_coverage=False, reinitialize_steps=0, retry=no_retry,  # type: ignore[arg-type]
+            require_full_coverage=False, reinitialize_steps=0, retry=no_retry,
             max_connections=2 * settings.max_connections, socket_timeout=settings.timeout,
             socket_connect_timeout=settings.timeout, ssl=target.tls, **tls, **_auth(target))
     if target.topology is Topology.SENTINEL:

@@ -17,9 +17,15 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PeerSpec
-from lmcache_vllm.integration.vllm.pd.params import (PDRefusal, RemotePrefill, check_compatible,
-                                                     parse_remote_prefill, prefill_params, wants_remote_decode,
-                                                     wants_remote_prefill)
+from lmcache_vllm.integration.vllm.pd.params import (
+    PDRefusal,
+    RemotePrefill,
+    check_compatible,
+    parse_remote_prefill,
+    prefill_params,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from lmcache_vllm.observability import metrics
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import torch
 
+from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views, refuses, vllm_kv_views
 from lmcache_vllm.layouts import detect_layout
 from lmcache_vllm.layouts.kernel_check import check_slot_mappings, compare_paths
-from lmcache_vllm.integration.vllm.testing.kv_views import KVViewCase, fill_known, kv_views, refuses, vllm_kv_views
 
 CUDA_LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
 FULL_CHUNK = 256
