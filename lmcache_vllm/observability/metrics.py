@@ -1,4 +1,5 @@
-"""The one metrics model of lmcache-vllm: the table of every metric (`METRICS`) and the process recorder.
+"""The one metrics model of lmcache-vllm: the table of every metric (`METRICS`, kept in
+`metric_table.py` and re-exported here) and the process recorder.
 
 - `METRICS` names each counter, gauge and histogram once, with its unit, help text and labels (`tier`:
   local_cpu / local_disk / redis / peer; `node`: a Redis server or cluster node). Prometheus exposes them as
@@ -25,182 +26,15 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator
 
-PREFIX = "lmcache_vllm:"
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from lmcache_vllm.observability.metric_table import LATENCY_BUCKETS as LATENCY_BUCKETS
+from lmcache_vllm.observability.metric_table import METRIC_LIST as METRIC_LIST
+from lmcache_vllm.observability.metric_table import METRICS as METRICS
+from lmcache_vllm.observability.metric_table import PREFIX as PREFIX
+from lmcache_vllm.observability.metric_table import MetricDef as MetricDef
+
 _MAX_PENDING_OBSERVATIONS = 4096  # per series between two take()s; more are counted in totals only
-
-
-@dataclass(frozen=True)
-class MetricDef:
-    name: str
-    kind: str  # "counter" | "gauge" | "histogram"
-    unit: str
-    help: str
-    labels: tuple[str, ...] = ()
-    scope: str = "rank"  # "rank": every TP rank counts, summed; "engine": the scheduler or TP rank 0
-    gauge_agg: str = "sum"  # gauges: sum | max | min over processes
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-
-
-def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = (), scope: str = "rank") -> MetricDef:
-    return MetricDef(name, "counter", unit, help, tuple(labels), scope)
-
-
-def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = (), agg: str = "sum") -> MetricDef:
-    return MetricDef(name, "gauge", unit, help, tuple(labels), gauge_agg=agg)
-
-
-def _h(name: str, help: str, labels: tuple[str, ...] = (), scope: str = "rank") -> MetricDef:
-    return MetricDef(name, "histogram", "seconds", help, tuple(labels), scope)
-
-
-_T = ("tier",)
-_N = ("node",)
-METRIC_LIST: tuple[MetricDef, ...] = (
-    # -- scheduler: one per engine
-    _c("lookups", "requests", "Prefix lookups the scheduler asked the workers for (the answer is reused "
-       "while the request waits for free blocks; a pending one is asked again)", scope="engine"),
-    _c("lookups_in_process", "requests", "Lookups answered by a direct call because every rank's lookup "
-       "server lives in the scheduler's process", scope="engine"),
-    _c("lookup_timeouts", "requests", "Lookups that timed out and counted as 0 hits", scope="engine"),
-    _c("lookup_rejected", "requests", "Lookup messages a worker refused: malformed, a field out of range, "
-       "more tokens than max_model_len, or an answer that does not fit the wire (answered 0 hits, or -1 "
-       "to a command)"),
-    _c("lookup_server_restarts", "events", "Times a worker's lookup server loop failed outside any one "
-       "message (a ZMQ error) and started serving again"),
-    _c("uncacheable_requests", "requests", "Requests neither looked up nor saved because what decides "
-       "their KV besides token ids cannot be named in a key (reason: mm_unidentified, lora_unreadable, "
-       "error_<exception>)", ("reason",), scope="engine"),
-    _h("lookup_seconds", "Time of one scheduler lookup over every rank", scope="engine"),
-    _c("hit_tokens", "tokens", "Prompt tokens vLLM loads from our tiers beyond its own prefix cache, by "
-       "the tier holding them (counted once per scheduled load)", _T, scope="engine"),
-    _c("load_requests", "requests", "Requests the scheduler planned a load for", scope="engine"),
-    _c("async_load_requests", "requests", "Loads planned asynchronously: the hit needed the disk or Redis "
-       "tier (or the model has several KV cache groups), so the request waited (WAITING_FOR_REMOTE_KVS) while "
-       "vLLM ran the others", scope="engine"),
-    _c("pending_lookups", "requests", "Lookups answered 'ask again' because a slower tier had not said "
-       "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
-    _c("retrieves_below_minimum", "requests", "Hits not loaded because they would load fewer new tokens "
-       "than min_retrieve_tokens (vLLM computed them)", scope="engine"),
-    # -- worker / engine
-    _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "
-       "rank 0)", scope="engine"),
-    _c("failed_load_tokens", "tokens", "Tokens planned to load that could not be; vLLM recomputes them "
-       "(summed over TP ranks)"),
-    _c("stored_tokens", "tokens", "Tokens whose KV was newly stored (counted on TP rank 0)",
-       scope="engine"),
-    _c("group_loaded_tokens", "tokens", "Tokens loaded into one KV cache group of a model with several "
-       "(hybrid: full attention, sliding window, Mamba state); a sliding group loads only the window before the "
-       "hit's end (counted on TP rank 0)", ("group",), scope="engine"),
-    _c("group_stored_tokens", "tokens", "Tokens newly stored for one KV cache group of a model with several "
-       "(a state group: one state per chunk boundary counts as the chunk's tokens; counted on TP rank 0)",
-       ("group",), scope="engine"),
-    _c("group_limited_hits", "requests", "Lookups whose hit a KV cache group cut short: the full-attention "
-       "chunks ran further than this group's chunks (sliding window) or states allowed", ("group",),
-       scope="engine"),
-    _c("store_skipped_tokens", "tokens", "Tokens handed to a store whose chunks were stored already",
-       scope="engine"),
-    _c("failed_stores", "requests", "Stores of a request that failed with an error; its chunks stay "
-       "uncached"),
-    _c("stores_skipped_after_failed_load", "requests", "Saves skipped because the request's load failed "
-       "in the same step, on this or another TP rank (KV computed past a hole is not kept)"),
-    _c("loads_failed_on_other_rank", "requests", "Loads that succeeded on this TP rank but failed on "
-       "another; the request saves nothing in that step on any rank"),
-    _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
-       "treated as misses"),
-    _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
-    _c("cuda_kernel_fallbacks", "layouts", "KV layouts whose copies use the torch path on a GPU although "
-       "extra_config.cuda_kernel is auto: the CUDA kernel gave other bytes than the torch path on a scratch "
-       "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),
-    _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
-       "blocking_timeout_secs; what had not arrived was recomputed"),
-    _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
-       "waited; its reads and holds were released"),
-    _c("durable_save_timeouts", "requests", "A producer's saves of a complete prompt not written to every "
-       "lower tier within blocking_timeout_secs (a consumer may miss them)"),
-    _h("store_seconds", "Time to store one request's new KV (on the save thread unless saves are "
-       "synchronous)"),
-    _c("save_wait_seconds", "seconds", "Time vLLM's step waited for background saves to finish"),
-    # -- storage tiers
-    _c("chunk_hits", "chunks", "Chunks served by a tier (L1 from memory; L2/L3 read and promoted into "
-       "L1)", _T),
-    _c("chunk_misses", "chunks", "Chunks a tier was asked for and did not hold", _T),
-    _c("read_bytes", "bytes", "Bytes of chunks served by a tier", _T),
-    _c("stored_chunks", "chunks", "Chunks written to a tier", _T),
-    _c("stored_bytes", "bytes", "Bytes of chunks written to a tier", _T),
-    _c("dropped_stores", "chunks", "Chunks not stored below L1 or at all: arena_full (no L1 memory for a "
-       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
-    _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
-       "the tier, Redis down or its breaker open)", _T),
-    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis "
-       "down or its breaker open); answered as misses", _T),
-    _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
-       "were deleted", _T),
-    _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
-       "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
-    _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
-    _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
-    _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "
-       "breaker was open", _T),
-    _c("storage_timeouts", "requests", "Storage calls (op lookup or get) that passed their timeout and "
-       "answered a miss", ("op",)),
-    _c("storage_errors", "requests", "Storage calls (op lookup or get) that failed with an unexpected "
-       "error and answered a miss", ("op",)),
-    _c("prefetches", "requests", "Background reads started from the lower tiers into L1"),
-    _c("adopted_chunks", "chunks", "Chunk files another process wrote into a shared directory, found on "
-       "a miss and indexed", _T),
-    _c("reindexed_chunks", "chunks", "Chunk files found and indexed at start-up", _T),
-    # -- Redis nodes (label `node`: host:port of a server or cluster node, sentinel:<master>, cluster for
-    #    finding the cluster's slot map)
-    _c("redis_node_read_chunks", "chunks", "Chunks a Redis node served", _N),
-    _c("redis_node_stored_chunks", "chunks", "Chunks written to a Redis node", _N),
-    _c("redis_node_failed_calls", "requests", "Calls to a Redis node that failed (connection refused or "
-       "lost, timeout, refused credentials): its keys were misses, its writes dropped", _N),
-    _c("redis_node_skipped_calls", "requests", "Calls answered at once as misses while that node's circuit "
-       "breaker was open", _N),
-    _c("redis_node_redirects", "requests", "Replies MOVED/ASK/TRYAGAIN from a cluster node (a slot moving "
-       "or moved): the command was sent again where redis-py's slot map says", _N),
-    _h("tier_read_seconds", "Time of one batched read from a lower tier", _T),
-    _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
-    # -- disaggregated prefill (docs/DISAGGREGATED.md): D pulls a request's chunks from P's transfer server
-    _c("pd_pulled_chunks", "chunks", "Chunks a decode instance pulled from a prefill instance (peer: its "
-       "host:port) and verified", ("peer",)),
-    _c("pd_pulled_bytes", "bytes", "Bytes of the chunks pulled from a prefill instance", ("peer",)),
-    _h("pd_pull_seconds", "Time of one request's pull from one prefill instance's rank, first request "
-       "to last frame", ("peer",)),
-    _c("pd_pull_failures", "requests", "Pulls from a prefill instance that did not bring every chunk asked "
-       "for (reason: timeout, refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, "
-       "bad_params, role); the rest was recomputed", ("reason",)),
-    _c("pd_served_chunks", "chunks", "Chunks a prefill instance's transfer server sent to a decode instance"),
-    _c("pd_served_bytes", "bytes", "Bytes a prefill instance's transfer server sent"),
-    _c("pd_holds_released", "requests", "Holds of a prefill instance's chunks ended by the decode "
-       "instance's RELEASE (or the request's abort)"),
-    _c("pd_holds_expired", "requests", "Holds ended because no decode instance released them within "
-       "extra_config.pd_hold_secs"),
-    _c("pd_prefill_requests", "requests", "Requests a prefill instance answered with kv_transfer_params "
-       "for a decode instance", scope="engine"),
-    # -- gauges, read when asked for
-    _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
-    _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
-    _g("resident_chunks", "chunks", "Chunks a tier holds now", _T),
-    _g("unprotected_shared_tier", "state", "1 while a tier others can write (Redis; a disk directory "
-       "configured as shared) stores chunks without a keyed MAC: whoever can write it can plant KV the "
-       "model reads (set LMCACHE_VLLM_CHUNK_MAC_KEY), else 0", _T, agg="max"),
-    _g("breaker_open", "state", "1 while the tier's circuit breaker is open (calls answer misses at "
-       "once), else 0", _T, agg="max"),
-    _g("redis_node_breaker_open", "state", "1 while a Redis node's circuit breaker is open (its keys are "
-       "misses at once), else 0", _N, agg="max"),
-    _g("write_queue_pending", "chunks", "Writes queued for the lower tiers"),
-    _g("prefetch_held_chunks", "chunks", "Chunks held in L1 by prefetches until their request loads "
-       "them"),
-    _g("pd_holds", "requests", "Requests whose chunks a prefill instance holds in L1 until a decode "
-       "instance pulls them (or the hold expires)"),
-    _g("pd_held_bytes", "bytes", "Bytes of L1 chunks held for decode instances"),
-)
-METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}
 
 GaugeFn = Callable[[], Iterable[tuple[str, dict[str, str], float]]]  # yields (metric name, labels, value)
 

@@ -39,19 +39,16 @@ Rules:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.groups import SchedulerGroups
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
-from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec, SaveSpec
-from lmcache_vllm.integration.vllm.pd.params import RemotePrefill, wants_remote_prefill
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, SaveSpec
+from lmcache_vllm.integration.vllm.pd.params import wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
+from lmcache_vllm.integration.vllm.request_tracker import PendingLoad, RequestLookup, RequestTracker, ceil_to, floor_to
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.tier import Tier
 
@@ -61,74 +58,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def floor_to(n: int, multiple: int) -> int:
-    return n - n % multiple
-
-
-def ceil_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-@dataclass
-class _PendingLoad:
-    fetch_len: int  # tokens whose chunks are fetched (chunk-aligned or the whole stored sequence)
-    skip_leading: int  # already in vLLM's prefix cache
-    load_end: int  # exclusive; vLLM computes from here
-
-
-@dataclass
-class _Lookup:
-    answer: LookupAnswer  # what the workers reported (and hold): the run, the tier of each chunk
-    num_computed_tokens: int = 0  # vLLM's local hit at the latest ask
-    load_async: bool = False  # the answer given to vLLM at the latest ask
-
-
-class RequestTracker:
-    """What the scheduler half knows about one live request."""
-
-    def __init__(self, request: "Request", extra: ExtraKeys | None, uncacheable: str | None = None):
-        self.request = request
-        self.extra = extra  # None: see `uncacheable` (the reason), nothing is looked up or saved
-        self.req_id: str = request.request_id
-        self.prompt_len: int = request.num_prompt_tokens
-        self.block_ids: list[int] = []
-        self.group_tables: tuple[list[int], ...] = ()  # multi-group models: every group's table (vLLM's)
-        self.saved_end = 0  # tokens [0, saved_end) already handed to a save (or known stored)
-        self.pending_load: _PendingLoad | None = None
-        self.uncacheable = uncacheable
-        self.hit_sources: dict[str, int] = {}  # tokens of the last planned load, by the tier holding them
-        self.saves_emitted = 0
-        self._token_array = np.empty(0, dtype=np.int64)
-        # Disaggregated prefill. Prefill side: hold the prompt's chunks for a decode instance (and whether
-        # the hold went out). Decode side: where the prompt's KV waits, whether this instance still has to
-        # pull or release it (`remote_open`), vLLM's own hit when asked, and the pull of the planned load.
-        self.holds_for_peer = False
-        self.hold_emitted = False
-        self.remote: RemotePrefill | None = None
-        self.remote_open = False
-        self.remote_computed = 0
-        self.peer_load: PeerSpec | None = None
-
-    def token_array(self) -> np.ndarray:
-        """The request's token ids as one int64 array, converted from vLLM's list once per request.
-
-        Hashing (lookup, save, load) converts token ids to bytes; from a numpy array that is a copy,
-        from a Python list a per-element conversion several times slower. Generated tokens are appended
-        to the cached array; it is never modified in place, so slices handed out stay valid.
-        """
-        all_ids = self.request.all_token_ids
-        have = len(self._token_array)
-        if have != len(all_ids):
-            if have > len(all_ids):  # never seen from vLLM; rebuild rather than trust a stale array
-                have, self._token_array = 0, self._token_array[:0]
-            tail = np.fromiter(all_ids[have:], dtype=np.int64, count=len(all_ids) - have)
-            self._token_array = np.concatenate((self._token_array, tail)) if have else tail
-        return self._token_array
-
-    def token_ids(self, end: int) -> np.ndarray:
-        return self.token_array()[:end]
 
 
 class SchedulerHalf:
@@ -153,10 +82,10 @@ class SchedulerHalf:
         self.request_keys = request_keys or RequestKeys(chunk_size)
         self.groups = groups
         self._trackers: dict[str, RequestTracker] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, RequestLookup] = {}
         self._warned_reasons: set[str] = set()
         self.async_loading = config.enable_async_loading
-        self._async_loads: list[tuple[RequestTracker, _PendingLoad]] = []
+        self._async_loads: list[tuple[RequestTracker, PendingLoad]] = []
         self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
         self._delayed_free: list[str] = []  # finished with saves: vLLM frees them on finished_sending
         self.pd = pd  # disaggregated prefill (None: kv_transfer_params are ignored)
@@ -184,7 +113,7 @@ class SchedulerHalf:
             query = LookupQuery(request.request_id, tracker.token_array(), num_computed_tokens, tracker.extra)
             with metrics.timed("lookup_seconds"):
                 answer = LookupAnswer.of(self.lookup_client.lookup(query))
-            lookup = self._lookups[request.request_id] = _Lookup(answer)
+            lookup = self._lookups[request.request_id] = RequestLookup(answer)
             metrics.inc("lookups")
         answer = lookup.answer
         if answer.pending:
@@ -222,7 +151,7 @@ class SchedulerHalf:
             return
         load_end = lookup.num_computed_tokens + num_external_tokens
         fetch_len = min(lookup.answer.hit_tokens, ceil_to(load_end, self.chunk_size))
-        load = _PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
+        load = PendingLoad(fetch_len, lookup.num_computed_tokens, load_end)
         tracker.hit_sources = self._sources(lookup, load_end)
         for tier, n in tracker.hit_sources.items():
             metrics.inc("hit_tokens", n, tier=tier)
@@ -246,7 +175,7 @@ class SchedulerHalf:
             self.pd.done_with(remote)
             return
         start = tracker.remote_computed
-        load = _PendingLoad(min(remote.num_tokens, tracker.prompt_len), start, start + num_external_tokens)
+        load = PendingLoad(min(remote.num_tokens, tracker.prompt_len), start, start + num_external_tokens)
         tracker.peer_load = peer_spec(remote)
         tracker.hit_sources = {Tier.PEER: num_external_tokens}
         metrics.inc("hit_tokens", num_external_tokens, tier=Tier.PEER)
@@ -391,7 +320,7 @@ class SchedulerHalf:
                            request.request_id, reason)
         return RequestTracker(request, None, uncacheable=reason)
 
-    def _sources(self, lookup: _Lookup, load_end: int) -> dict[str, int]:
+    def _sources(self, lookup: RequestLookup, load_end: int) -> dict[str, int]:
         """Tokens [num_computed_tokens, load_end) split by the tier of the chunk each lies in."""
         sources: dict[str, int] = {}
         start = lookup.num_computed_tokens
