@@ -121,6 +121,10 @@ class MemoryObj:
                 f"dtype={self.dtype}, ref_count={self.ref_count}, pin_count={self.pin_count})")
 
 
+# alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
+AllocFn = Callable[[tuple[int, ...], torch.dtype], Optional[MemoryObj]]
+
+
 class HostAllocator:
     """Free-list allocator over one host arena; thread-safe. See the module docstring for the rules."""
 

@@ -13,17 +13,12 @@ import asyncio
 import threading
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
-import torch
-
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 
 if TYPE_CHECKING:
     from lmcache_vllm.config import LMCacheConfig
     from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.tier import Tier
-
-# alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
-AllocFn = Callable[[tuple[int, ...], torch.dtype], Optional[MemoryObj]]
 
 T = TypeVar("T")
 

@@ -25,16 +25,12 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage import codec, disk_dir
-from lmcache_vllm.storage.base import AllocFn
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
-
-    from lmcache_vllm.memory import MemoryObj
-    from lmcache_vllm.storage.base import AllocFn
 
 logger = logging.getLogger(__name__)
 

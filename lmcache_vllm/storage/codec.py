@@ -47,8 +47,7 @@ from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.observability import metrics
 
 if TYPE_CHECKING:
-    from lmcache_vllm.memory import MemoryObj
-    from lmcache_vllm.storage.base import AllocFn
+    from lmcache_vllm.memory import AllocFn, MemoryObj
 
 # A chunk's bytes as the tiers hand them over (Redis values, file reads, views of a tensor).
 ChunkBytes = Union[bytes, bytearray, memoryview]

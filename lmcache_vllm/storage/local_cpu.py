@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from lmcache_vllm.memory import AllocationError, HostAllocator, MemoryObj
+from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj
 from lmcache_vllm.observability import kv_events, metrics
-from lmcache_vllm.storage.base import AllocFn, StorageBackend
+from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.tier import Tier
 
 

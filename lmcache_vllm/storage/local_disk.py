@@ -36,10 +36,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import chunk_file, codec, disk_dir
-from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned
+from lmcache_vllm.storage.base import StorageBackend, gather_owned
 from lmcache_vllm.storage.chunk_file import HEADER_ALIGN, SUFFIX, TMP_PREFIX, filename_for, key_from_filename
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
 from lmcache_vllm.storage.disk_index import DiskIndex, Entry

@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage import peer_wire as wire
-from lmcache_vllm.storage.base import AllocFn, StorageBackend, release_objs
+from lmcache_vllm.storage.base import StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
 from lmcache_vllm.storage.tier import Tier
 

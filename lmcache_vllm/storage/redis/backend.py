@@ -36,10 +36,10 @@ from redis.exceptions import RedisError
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.config.redact import redact_text, remember_secret
 from lmcache_vllm.config.remote_url import parse_remote_url
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import codec
-from lmcache_vllm.storage.base import AllocFn, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.base import StorageBackend, gather_owned, release_objs
 from lmcache_vllm.storage.redis.client import ClientSettings, async_client, endpoint_name, preflight
 from lmcache_vllm.storage.redis.guard import CALL_ERRORS, CallFailed, NodeGuard
 from lmcache_vllm.storage.redis.topology import REDIRECTS, Cluster, Route, Standalone, read_reply
