@@ -136,13 +136,6 @@ def _fifo_in_place_of(path: Path) -> None:
     os.mkfifo(path)
 
 
-def _let_stuck_readers_go(path: Path) -> None:
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a reader sees an empty "file": an error, counted
-    except OSError:
-        pass  # no reader left
-
-
 def test_a_fifo_chunk_is_a_miss_and_pd_consumer_always_hits(tiny_model, tmp_path, redis_server):
     redis_server.ensure_running()
     prefix = f"e2e-pd-serving-{uuid.uuid4().hex[:8]}:"
@@ -154,7 +147,7 @@ def test_a_fifo_chunk_is_a_miss_and_pd_consumer_always_hits(tiny_model, tmp_path
     with server(tmp_path / "consumer", tiny_model, consumer_cfg) as (base, log):
         # --- a FIFO in place of a chunk file (planted, or a broken disk): it used to hang the read; the disk
         #     tier now refuses anything but a regular file without blocking, so the request is served at once
-        #     with that chunk counted corrupt and recomputed. (Aborting a request while its load waits on a
+        #     with that chunk counted corrupt. (Aborting a request while its load waits on a
         #     frozen tier: tests/test_async_loads.py::test_abort_while_waiting_releases_everything.)
         prompt = h.random_tokens(92, 600)
         before = set(disk.glob("*.lmc"))
@@ -163,20 +156,16 @@ def test_a_fifo_chunk_is_a_miss_and_pd_consumer_always_hits(tiny_model, tmp_path
         new = sorted(set(disk.glob("*.lmc")) - before, key=lambda p: p.stat().st_mtime)
         assert len(new) == 3
         reset_l1(base)
-        stuck = new[1]
-        _fifo_in_place_of(stuck)
-        try:
-            completion(base, tiny_model, prompt, timeout=120)
-            # Answered (no read waited on the FIFO), the chunk counted corrupt and deleted.
-            got = serving.wait_for(base, lambda m: m.get(CORRUPT_DISK, 0) >= 1)
-            assert got.get(CORRUPT_DISK, 0) >= 1, {k: v for k, v in got.items() if "chunk" in k[0] or "fail" in k[0]}
-            # The server serves on: nothing held, nothing waiting.
-            assert serving.cached_tokens(completion(base, tiny_model, h.random_tokens(93, 400))) == 0
-            idle = serving.wait_for(base, lambda m: m.get(("vllm:kv_cache_usage_perc", ""), 1) == 0)
-            assert idle[("vllm:kv_cache_usage_perc", "")] == 0
-            assert idle[("vllm:num_requests_waiting", "")] == 0
-        finally:
-            _let_stuck_readers_go(stuck)
+        _fifo_in_place_of(new[1])
+        completion(base, tiny_model, prompt, timeout=120)
+        # Answered (no read waited on the FIFO), the chunk counted corrupt.
+        got = serving.wait_for(base, lambda m: m.get(CORRUPT_DISK, 0) >= 1)
+        assert got.get(CORRUPT_DISK, 0) >= 1, {k: v for k, v in got.items() if "chunk" in k[0] or "fail" in k[0]}
+        # The server serves on: nothing held, nothing waiting.
+        assert serving.cached_tokens(completion(base, tiny_model, h.random_tokens(93, 400))) == 0
+        idle = serving.wait_for(base, lambda m: m.get(("vllm:kv_cache_usage_perc", ""), 1) == 0)
+        assert idle[("vllm:kv_cache_usage_perc", "")] == 0
+        assert idle[("vllm:num_requests_waiting", "")] == 0
 
         # --- disaggregated prefill through Redis: the consumer asks right after the producer answered
         producer_cfg = h.connector(shared, role="kv_producer")
