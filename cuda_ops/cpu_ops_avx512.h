@@ -110,6 +110,11 @@ LMCACHE_AVX512 inline void amx_v_lines(uint16_t* line0, uint16_t* line1, uint16_
   }
 }
 
+// Brings the lines of [p, p + bytes) towards L2 (not L1: the current tile's lines stay there).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T1);
+}
+
 // Copies n bytes (a multiple of 64, both ends 64-byte aligned when kStream) in whole lines.
 template <bool kStream>
 LMCACHE_AVX512 inline void copy_lines(void* dst, const void* src, int64_t n) {

@@ -156,10 +156,23 @@ def _isas() -> list[str]:
     return [name for name in CPU_ISAS[: CPU_ISAS.index(best) + 1] if cpu_ext.set_isa(name) == ""]
 
 
+def _kernel_sets() -> list[str]:
+    """Every kernel set, AVX-512 once per task shape (`isa/tasks`): an AMD machine then also checks the Intel
+    shape and the other way round."""
+    return [f"{isa}/{tasks}" for isa in _isas() for tasks in (("strip", "plane") if isa == "avx512" else ("",))]
+
+
+def _use(kernel_set: str) -> None:
+    isa, _, tasks = kernel_set.partition("/")
+    assert cpu_ext.set_isa(isa) == "" and cpu_ext.isa() == isa
+    assert cpu_ext.set_tasks(tasks or "auto") == ""
+
+
 @pytest.fixture
 def restore_isa():
     yield
     cpu_ext.set_isa("auto")
+    cpu_ext.set_tasks("auto")
 
 
 def _misaligned_like(shape, dtype) -> torch.Tensor:
@@ -171,7 +184,7 @@ def _misaligned_like(shape, dtype) -> torch.Tensor:
 
 
 @needs_cpu_ext
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", _kernel_sets())
 @pytest.mark.parametrize("kind,dtype,head_size,block_size,slots_kind,aligned", [
     ("vec", torch.bfloat16, 128, 128, "whole_blocks", True), ("vec", torch.bfloat16, 128, 128, "midblock", True),
     ("vec", torch.bfloat16, 64, 32, "holes", False), ("vec", torch.float32, 64, 32, "midblock", True),
@@ -186,8 +199,9 @@ def test_every_cpu_kernel_set_matches_torch(restore_isa, isa, kind, dtype, head_
                                             aligned):
     """Each kernel set this CPU can run (scalar and sse2 are the portable paths, avx2 that of CPUs without
     AVX-512), whole-line non-temporal stores (aligned) and cached stores (misaligned chunk), partial blocks at
-    both ends, head sizes whose staged K (avx2 gather) spans several groups of tokens per run (512)."""
-    assert cpu_ext.set_isa(isa) == "" and cpu_ext.isa() == isa
+    both ends, head sizes whose staged K (avx2 gather) spans several groups of tokens per run (512); AVX-512
+    with both task shapes (strips of every head; whole runs head by head with look-ahead)."""
+    _use(isa)
     gen = torch.Generator().manual_seed(head_size + block_size)
     blocks, heads = 6, 2
     caches = cpu_caches(kind, 2, blocks, heads, head_size, block_size, dtype, gen)
@@ -210,6 +224,19 @@ def test_cpu_isa_env_and_switch(restore_isa):
         assert result.stdout.split() == [forced], result.stderr
     assert "unknown isa" in cpu_ext.set_isa("neon")
     assert cpu_ext.set_isa("auto") == "" and cpu_ext.isa() == _isas()[-1]
+
+
+@needs_cpu_ext
+def test_cpu_task_shape_env_and_switch(restore_isa):
+    code = "from lmcache_vllm import ops; print(ops.cpu_ext().tasks())"
+    for forced in ("strip", "plane"):
+        env = dict(os.environ, LMCACHE_VLLM_CPU_TASKS=forced)
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert result.stdout.split() == [forced], result.stderr
+    assert "unknown task shape" in cpu_ext.set_tasks("rows")
+    vendor = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert cpu_ext.set_tasks("auto") == ""
+    assert cpu_ext.tasks() == ("plane" if "AuthenticAMD" in vendor else "strip")
 
 
 def _vllm_cpu_op():
