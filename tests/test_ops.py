@@ -216,23 +216,20 @@ def test_every_cpu_kernel_set_matches_torch(restore_isa, isa, kind, dtype, head_
 
 
 @needs_cpu_ext
-def test_cpu_isa_env_and_switch(restore_isa):
-    code = "from lmcache_vllm import ops; print(ops.cpu_ext().isa())"
-    for forced in ("sse2", "scalar"):
-        env = dict(os.environ, LMCACHE_VLLM_CPU_ISA=forced)
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert result.stdout.split() == [forced], result.stderr
-    assert "unknown isa" in cpu_ext.set_isa("neon")
-    assert cpu_ext.set_isa("auto") == "" and cpu_ext.isa() == _isas()[-1]
+@pytest.mark.parametrize("env,query,forced", [("LMCACHE_VLLM_CPU_ISA", "isa", ("sse2", "scalar")),
+                                              ("LMCACHE_VLLM_CPU_TASKS", "tasks", ("strip", "plane"))])
+def test_kernel_choices_from_the_environment(env, query, forced):
+    code = f"from lmcache_vllm import ops; print(ops.cpu_ext().{query}())"
+    for value in forced:
+        result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{env: value}),
+                                capture_output=True, text=True, timeout=120)
+        assert result.stdout.split() == [value], result.stderr
 
 
 @needs_cpu_ext
-def test_cpu_task_shape_env_and_switch(restore_isa):
-    code = "from lmcache_vllm import ops; print(ops.cpu_ext().tasks())"
-    for forced in ("strip", "plane"):
-        env = dict(os.environ, LMCACHE_VLLM_CPU_TASKS=forced)
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert result.stdout.split() == [forced], result.stderr
+def test_kernel_choices_switch_and_refuse_unknown_names(restore_isa):
+    assert "unknown isa" in cpu_ext.set_isa("neon")
+    assert cpu_ext.set_isa("auto") == "" and cpu_ext.isa() == _isas()[-1]
     assert "unknown task shape" in cpu_ext.set_tasks("rows")
     vendor = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     assert cpu_ext.set_tasks("auto") == ""
