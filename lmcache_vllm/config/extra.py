@@ -23,6 +23,7 @@ from lmcache_vllm.config.fields import (
     size_gib,
 )
 from lmcache_vllm.config.redact import remember_secret
+from lmcache_vllm.cpu_affinity import parse_cpu_list
 
 POSITIVE_INT = at_least(1, "an integer")
 SECONDS = greater_than(0, "seconds")
@@ -31,6 +32,16 @@ MAX_RANKS = 256  # ports above a base port kept free for the ranks
 
 def _port_base(value: int) -> Optional[str]:
     return None if 0 <= value <= 65535 - MAX_RANKS else f"a port from 0 to {65535 - MAX_RANKS}"
+
+
+def _cpu_choice(value: str) -> Optional[str]:
+    if value in ("auto", "inherit"):
+        return None
+    try:
+        parse_cpu_list(value)
+    except ValueError:
+        return "'auto', 'inherit' or a CPU list such as '1' or '2,4-7'"
+    return None
 
 
 def READABLE_FILE(path: str) -> Optional[str]:  # noqa: N802 (a check, named like the constants above)
@@ -48,6 +59,11 @@ class ExtraConfig:
     write_queue_depth: int = setting(64, "write-throughs to L2/L3 waiting at most; beyond it a store is "
                                          "dropped and counted (inference never waits)", check=POSITIVE_INT)
     write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
+    background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
+                                           "lookup, transfer): 'auto' = on vLLM's CPU backend the cores vLLM "
+                                           "reserves or leaves to other processes, not its compute cores (GPU "
+                                           "hosts: unchanged); 'inherit' = where vLLM put the process; or a "
+                                           "CPU list such as '2,4-7'", check=_cpu_choice)
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))
     prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from lmcache_vllm.cpu_affinity import enter_background_cpus
+
 logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14
@@ -84,6 +86,7 @@ class ArenaPrefaulter:
 
     def _run(self) -> None:
         if threading.current_thread() is self._thread:
+            enter_background_cpus()
             try:  # Linux: a thread id is a valid target for setpriority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (OSError, AttributeError):

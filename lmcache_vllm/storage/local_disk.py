@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import chunk_file, codec, disk_dir
@@ -85,10 +86,12 @@ class LocalDiskBackend(StorageBackend):
         self._lock = threading.Lock()  # (for `_reads_in_flight`)
         self._index = DiskIndex()
         self._budget = SharedDiskBudget(self.path, self.max_bytes)
-        self._read_pool = ThreadPoolExecutor(extra.disk_io_threads, thread_name_prefix="lmcache-disk-read")
+        self._read_pool = ThreadPoolExecutor(extra.disk_io_threads, thread_name_prefix="lmcache-disk-read",
+                                             initializer=enter_background_cpus)
         self._reads_in_flight = 0  # file reads submitted and not finished (cancelled ones included)
         # A write thread per write-through worker of the manager: each has one put in flight at a time.
-        self._write_pool = ThreadPoolExecutor(extra.write_workers, thread_name_prefix="lmcache-disk-write")
+        self._write_pool = ThreadPoolExecutor(extra.write_workers, thread_name_prefix="lmcache-disk-write",
+                                              initializer=enter_background_cpus)
         self._closed = False
         self._scan()
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import Handoff, StorageBackend
@@ -92,6 +93,7 @@ class StorageManager(LowerTierReads):
 
     # ---- loop thread ------------------------------------------------------------------------------
     def _run_loop(self) -> None:
+        enter_background_cpus()  # threads this loop starts (its executor's) inherit the CPUs
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 

@@ -127,3 +127,45 @@ def replace_payload(path: Path, seed: int = 1) -> None:
         raise AssertionError("re-encoded header has a different length")
     payload = fake.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     path.write_bytes(new_header + payload)
+
+
+def server_group(log: str | Path) -> int:
+    """The process group of a `lmcache-vllm serve` (its own session: the API server, engine core, workers),
+    from the API server's pid in its log ("Started server process [N]")."""
+    import os
+    import re
+
+    match = re.search(r"Started server process \[(\d+)\]", Path(log).read_text())
+    if match is None:
+        raise AssertionError(f"no server pid in {log}")
+    return os.getpgid(int(match.group(1)))
+
+
+def thread_cpus(pid: int) -> list[tuple[str, set[int]]]:
+    """(OS thread name, CPUs it may run on) of every thread of process `pid`."""
+    import os
+
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            out.append((name, set(os.sched_getaffinity(int(tid)))))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def group_processes(group: int, name: str) -> list[int]:
+    """Pids of the processes of process group `group` whose name (comm) is `name`."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == group and Path(f"/proc/{entry}/comm").read_text().strip() == name:
+                pids.append(int(entry))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids

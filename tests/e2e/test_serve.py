@@ -101,6 +101,19 @@ HIT = "lmcache_vllm:hit_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_our_threads_run_beside_vllms_compute_core(server):
+    """vLLM computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0) and reserves the rest: our threads (storage loop,
+    disk readers and writers, save thread, lookup server) run there, off the model's core."""
+    workers = h.group_processes(h.server_group(server[1]), "VLLM::Worker")
+    assert len(workers) == 1, workers
+    threads = h.thread_cpus(workers[0])
+    ours = {name: cpus for name, cpus in threads if name.startswith("lmcache")}
+    assert {"lmcache-storage", "lmcache-lookup-"} <= {name[:15] for name in ours}, threads
+    assert all(cpus == set(os.sched_getaffinity(0)) - {0} for cpus in ours.values()), ours
+    assert os.sched_getaffinity(workers[0]) == {0}  # the model's own (main) thread stays on its core
+
+
 def test_metrics_count_l1_hits_as_vllm_does(server):
     base, model, log = server
     prompt = h.random_tokens(41, 600)

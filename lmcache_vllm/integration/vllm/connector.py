@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_vllm.config import LMCacheConfig, load_config
+from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
 from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
@@ -43,6 +44,7 @@ from lmcache_vllm.integration.vllm.pd.params import advertised_host
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
+from lmcache_vllm.integration.vllm.threads import background_cpus_for
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.tier import Tier
@@ -146,6 +148,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
+            # Before any thread of ours starts: they run beside vLLM's compute cores, not on them.
+            set_background_cpus(background_cpus_for(vllm_config, self.config.extra_config.background_cpus))
             config = self.config
             can_save = self.can_save
 

@@ -50,6 +50,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import zmq
 
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.extra_keys import MAX_EXTRA_BYTES, NO_EXTRA_KEYS, ExtraKeys
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.tier import TIER_NAMES, Tier
@@ -257,6 +258,7 @@ class LookupServer:
         """The server thread: serves until closed. Every message is answered by `_answer`, which never
         raises; should serving fail anyway (a ZMQ error receiving or sending), the failure is counted
         (`lookup_server_restarts`) and serving starts again, so lookups never stop for good."""
+        enter_background_cpus()
         while not self._stop.is_set():
             try:
                 self._serve_until_stopped()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.integration.vllm.groups import save_parts
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps, run_to_end
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, SaveSpec, slot_mapping_for
@@ -35,6 +36,12 @@ if TYPE_CHECKING:  # built in the worker only, after vLLM's API server imported 
     from lmcache_vllm.layouts.streams import SideStream
 
 logger = logging.getLogger(__name__)
+
+
+def _save_thread_init() -> None:
+    """The save thread runs on the background CPUs, its parallel torch ops on it alone (threads.py)."""
+    enter_background_cpus()
+    single_threaded_torch()
 
 
 def _store_failed(what: str, *args: object) -> None:
@@ -62,7 +69,7 @@ class SavePipeline:
             # The save thread's copies run on it alone: a second OpenMP team in the process would
             # slow every parallel region of vLLM's model thread from then on (see threads.py).
             saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-save",
-                                       initializer=single_threaded_torch)
+                                       initializer=_save_thread_init)
         self.queue = SaveQueue(saver, durable=durable, durable_timeout_s=timeout_s)
         self._storers: LayerSteps[str] = LayerSteps()
 

@@ -1,4 +1,4 @@
-"""Keeps our background threads out of OpenMP's way.
+"""Keeps our background threads out of OpenMP's way, and off the cores vLLM computes on.
 
 PyTorch runs parallel ops on OpenMP teams, one team per calling thread. When a second thread (our save
 thread) runs a parallel op, libgomp then manages more threads than there are cores and stops letting
@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+from lmcache_vllm.cpu_affinity import parse_cpu_list
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,3 +48,42 @@ def single_threaded_torch() -> bool:
         return False
     setter(1)
     return torch.get_num_threads() == 1
+
+
+def _host_cpus() -> set[int]:
+    """The CPUs this process may run on before any binding: the cgroup's cpuset, else every online CPU."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text:
+            try:
+                return set(parse_cpu_list(text))
+            except ValueError:
+                continue
+    return set(os.sched_getaffinity(0))
+
+
+def background_cpus_for(vllm_config: "VllmConfig", setting: str) -> frozenset[int] | None:
+    """Where this worker's background threads should run (`extra_config.background_cpus`): 'inherit' -> None
+    (where vLLM put the process); a CPU list -> those CPUs; 'auto' -> on vLLM's CPU backend with its threads
+    bound, the CPUs vLLM reserved (VLLM_CPU_OMP_THREADS_BIND=auto) or else the CPUs no local rank computes on
+    (an explicit binding), None when there are none or vLLM binds nothing (GPU hosts, 'nobind')."""
+    if setting == "inherit":
+        return None
+    if setting != "auto":
+        return parse_cpu_list(setting)
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "nobind":
+        return None
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+        manager = OMPProcessManager(vllm_config)  # vLLM's own computation of every local rank's CPUs
+    except Exception as exc:  # a vLLM without it, or a binding it cannot compute here: stay where we are
+        logger.info("background threads stay on the compute CPUs (%s)", exc)
+        return None
+    host = _host_cpus()
+    compute = {cpu for cpus in manager.cpu_lists for cpu in cpus}
+    free = (set(manager.reserved_cpu_list) & host) if manager.auto_setup else host - compute
+    return frozenset(free - compute) or None

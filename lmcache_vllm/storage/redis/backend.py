@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.config.redact import redact_text, remember_secret
 from lmcache_vllm.config.remote_url import parse_remote_url
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage import codec
@@ -93,8 +94,10 @@ class RedisBackend(StorageBackend):
         self.read_batch_keys = extra.remote_read_batch_keys
         # One thread each: decoding and encoding (memmove + xxh3, both without the GIL) overlap the
         # loop's socket I/O instead of stalling it.
-        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode")
-        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-encode")
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode",
+                                               initializer=enter_background_cpus)
+        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-encode",
+                                               initializer=enter_background_cpus)
         settings = ClientSettings.from_extra(extra)
 
         def make_guard(name: str, on_failure: Any = None) -> NodeGuard:

@@ -1,0 +1,92 @@
+"""Tests for lmcache_vllm.cpu_affinity and integration.vllm.threads.background_cpus_for: our background threads
+run on the CPUs the worker chose for them, never on vLLM's compute cores by accident."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from lmcache_vllm import cpu_affinity
+from lmcache_vllm.cpu_affinity import enter_background_cpus, parse_cpu_list, set_background_cpus
+
+HOST = sorted(os.sched_getaffinity(0))
+
+
+@pytest.fixture(autouse=True)
+def reset():
+    yield
+    set_background_cpus(None)
+
+
+def _affinity_in_thread(initializer=None) -> set[int]:
+    seen: list[set[int]] = []
+    if initializer is not None:
+        with ThreadPoolExecutor(1, initializer=initializer) as pool:
+            return pool.submit(lambda: set(os.sched_getaffinity(0))).result()
+    t = threading.Thread(target=lambda: (enter_background_cpus(), seen.append(set(os.sched_getaffinity(0)))))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def test_cpu_lists_parse_like_vllms():
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("0,2-4") == {0, 2, 3, 4}
+    assert parse_cpu_list(" 1 , 3 ") == {1, 3}
+    for bad in ("", "a", "1-", "-1", "3-1", "1,,2", "99999999"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            parse_cpu_list(bad)
+
+
+def test_no_set_leaves_threads_where_they_are():
+    assert _affinity_in_thread() == set(HOST)
+
+
+@pytest.mark.skipif(len(HOST) < 2, reason="needs two CPUs")
+def test_threads_and_executor_workers_move_the_main_thread_stays():
+    set_background_cpus({HOST[-1]})
+    assert _affinity_in_thread() == {HOST[-1]}
+    assert _affinity_in_thread(enter_background_cpus) == {HOST[-1]}
+    assert set(os.sched_getaffinity(0)) == set(HOST)  # the caller's thread is untouched
+
+
+def test_a_set_the_os_refuses_is_logged_once_and_dropped(caplog):
+    set_background_cpus({1 << 15})  # no such CPU
+    with caplog.at_level(logging.WARNING, logger="lmcache_vllm.cpu_affinity"):
+        assert _affinity_in_thread() == set(HOST)
+        assert _affinity_in_thread() == set(HOST)
+    assert len([r for r in caplog.records if "background threads stay" in r.message]) == 1
+    assert cpu_affinity.background_cpus() is None
+
+
+def test_storage_threads_run_on_the_background_cpus(tmp_path):
+    """The storage loop and the disk tier's readers and writers (the threads that move bytes)."""
+    if len(HOST) < 2:
+        pytest.skip("needs two CPUs")
+    from lmcache_vllm.config import LMCacheConfig
+    from lmcache_vllm.storage.manager import StorageManager
+
+    set_background_cpus({HOST[-1]})
+    config = LMCacheConfig(max_local_cpu_size=0.01, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    with StorageManager(config) as mgr:
+        loop_cpus = asyncio.run_coroutine_threadsafe(_current_affinity(), mgr._loop).result(10)
+        disk = mgr.lower[0]
+        read_cpus = disk._read_pool.submit(lambda: set(os.sched_getaffinity(0))).result()
+        write_cpus = disk._write_pool.submit(lambda: set(os.sched_getaffinity(0))).result()
+    assert loop_cpus == read_cpus == write_cpus == {HOST[-1]}
+
+
+async def _current_affinity() -> set[int]:
+    return set(os.sched_getaffinity(0))
+
+
+def test_background_cpus_setting():
+    pytest.importorskip("vllm")
+    from lmcache_vllm.integration.vllm.threads import background_cpus_for
+
+    assert background_cpus_for(None, "inherit") is None  # type: ignore[arg-type]
+    assert background_cpus_for(None, "3,5-6") == {3, 5, 6}  # type: ignore[arg-type]
