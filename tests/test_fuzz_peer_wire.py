@@ -1,22 +1,22 @@
-"""Fuzz tests (`pytest -m fuzz`) of the disaggregated-prefill transfer, over real ZMQ sockets, both ends:
+"""Fuzz tests (`pytest -m fuzz`) of the disaggregated-prefill transfer, over real TCP sockets, both ends:
 
-- the prefill side: whatever frames reach a transfer server, it answers with well-formed replies (or
-  nothing), stays up, and still serves a real pull afterwards with its hold untouched;
-- the decode side: whatever a prefill instance sends back to a PULL — valid chunks, then random frames, a
-  damaged or truncated chunk, another key or index, an early END or an ERR — `PeerTier.get_many` returns
-  a prefix of verified, bit-exact chunks, counts a pull failure when it is short (the rest is recomputed),
-  and leaves nothing allocated.
+- the prefill side: whatever reaches a transfer server — framed messages of random parts or raw bytes — it
+  answers with well-formed replies (or nothing), stays up, and still serves a real pull afterwards with its
+  hold untouched;
+- the decode side: whatever a prefill instance sends back to a PULL — valid chunks, then random messages or
+  raw bytes, a damaged or truncated chunk, another key or index, an early END or an ERR, a closed connection
+  — `PeerTier.get_many` returns a prefix of verified, bit-exact chunks, counts a pull failure when it is
+  short (the rest is recomputed), and leaves nothing allocated.
 
 Derandomized (tests/fuzzing.py's `ci` profile), so CI runs the same examples each time.
 """
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import torch
-import zmq
-import zmq.asyncio
 from fuzzing import bounded_run, examples
 from hypothesis import given
 from hypothesis import strategies as st
@@ -26,15 +26,19 @@ from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.peer import PeerSource, PeerTier
 from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer
+from lmcache_vllm.storage.peer_server import TransferServer, recv_request
 
 pytestmark = pytest.mark.fuzz
 
 SHAPE = (2, 2, 8, 16)
-FAILURE_REASONS = ("timeout", "refused", "missing", "corrupt", "no_memory")
+FAILURE_REASONS = ("timeout", "unreachable", "refused", "missing", "corrupt", "no_memory")
 _TOKENS = [wire.PROTOCOL, wire.PULL, wire.RELEASE, wire.CHUNK, wire.END, wire.ERR, b"", b"\x00\x00\x00\x00",
            b"\x01\x00\x00\x00", b"\xff" * 4, b"probe"]
 _frame = st.one_of(st.binary(max_size=64), st.sampled_from(_TOKENS))
+
+
+def _framed(parts: list[bytes]) -> bytes:
+    return b"".join(bytes(p) for p in wire.frame(parts))
 
 
 def key(i: int) -> str:
@@ -71,20 +75,22 @@ def test_transfer_server_answers_garbage_and_still_serves():
         objs.append(obj)
     holds.expect("probe-request")
     assert holds.fill("probe-request", [key(i) for i in range(3)], objs)
-    ctx = zmq.Context.instance()
 
     @examples(300)
-    @given(messages=st.lists(st.lists(_frame, min_size=1, max_size=7), min_size=1, max_size=4))
+    @given(messages=st.lists(st.one_of(st.lists(_frame, min_size=1, max_size=7).map(_framed), st.binary(max_size=64)),
+                             min_size=1, max_size=4))
     def send_garbage(messages):
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{server.port}")
-        try:
-            for frames in messages:
-                dealer.send_multipart(frames)
-            while dealer.poll(20):  # what it answers is a reply of the protocol
-                wire.parse_reply(dealer.recv_multipart())
-        finally:
-            dealer.close(linger=0)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            try:
+                sock.sendall(b"".join(messages))
+            except OSError:
+                return  # the server closed the connection on an earlier message: fine
+            sock.settimeout(0.02)
+            try:
+                while True:  # what it answers is a reply of the protocol
+                    wire.parse_reply(recv_request(sock))
+            except (OSError, ConnectionError):
+                pass
 
     try:
         with bounded_run():
@@ -108,49 +114,60 @@ def test_transfer_server_answers_garbage_and_still_serves():
         arena.close()
 
 
-def _damaged(draw, index: int, t: torch.Tensor) -> list:
-    """A message in place of chunk `index`: random frames, the real chunk with some bytes replaced (in its
-    index, header or payload frame, truncation included), another key or index, an early END, an ERR."""
-    kind = draw(st.sampled_from(["random", "bytes", "other_key", "other_index", "end", "err"]))
+def _damaged(draw, index: int, t: torch.Tensor) -> bytes:
+    """What comes in place of chunk `index`: a message of random parts, raw random bytes, the real chunk with
+    some bytes replaced (in its framing, index, header or payload, truncation included), another key or
+    index, an early END, an ERR, or nothing more (the connection closes)."""
+    kind = draw(st.sampled_from(["random", "raw", "bytes", "other_key", "other_index", "end", "err", "close"]))
     if kind == "random":
-        return draw(st.lists(_frame, min_size=1, max_size=7))
+        return _framed(draw(st.lists(_frame, min_size=1, max_size=7)))
+    if kind == "raw":
+        return draw(st.binary(min_size=1, max_size=96))
+    if kind == "close":
+        return b""
     if kind == "other_key":
-        return [bytes(f) for f in wire.chunk_reply(index, key(index + 1000), t)]
+        return _framed(wire.chunk_reply(index, key(index + 1000), t))
     if kind == "other_index":
-        return [bytes(f) for f in wire.chunk_reply(index + draw(st.integers(1, 3)), key(index), t)]
+        return _framed(wire.chunk_reply(index + draw(st.integers(1, 3)), key(index), t))
     if kind == "end":
-        return wire.end_reply(draw(st.integers(0, 2**32 - 1)))
+        return _framed(wire.end_reply(draw(st.integers(0, 2**32 - 1))))
     if kind == "err":
-        return wire.error_reply(draw(st.sampled_from(list(wire.ERRORS))), "fuzz")
-    frames = [bytes(f) for f in wire.chunk_reply(index, key(index), t)]
-    part = draw(st.sampled_from([2, 3, 4]))
-    raw = bytearray(frames[part])
+        return _framed(wire.error_reply(draw(st.sampled_from(list(wire.ERRORS))), "fuzz"))
+    raw = bytearray(_framed(wire.chunk_reply(index, key(index), t)))
     start = draw(st.integers(0, len(raw)))
     end = draw(st.integers(start, min(len(raw), start + 64)))
     raw[start:end] = draw(st.binary(max_size=end - start + 4))
-    frames[part] = bytes(raw)
-    return frames
+    return bytes(raw)
 
 
-async def _pull_from_scripted_peer(script: list[list], n_keys: int, alloc) -> list:
-    """A fake prefill instance (ROUTER) that answers the PULL with `script`, and the decode side's pull."""
-    ctx = zmq.asyncio.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+async def _pull_from_scripted_peer(script: list[bytes], n_keys: int, alloc) -> list:
+    """A fake prefill instance that answers the PULL with the bytes of `script` (an empty item: it closes the
+    connection there), and the decode side's pull."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    loop = asyncio.get_running_loop()
 
     async def peer():
-        identity, *_ = await router.recv_multipart()
-        for message in script:
-            await router.send_multipart([identity, *message])
+        conn, _ = await loop.sock_accept(listener)
+        with conn:
+            await loop.sock_recv(conn, 1 << 16)  # the PULL
+            for message in script:
+                if not message:
+                    return
+                try:
+                    await loop.sock_sendall(conn, message)
+                except OSError:
+                    return  # the decode side stopped reading and closed
 
     try:
-        tier = PeerTier(PeerSource("127.0.0.1", port, "r"), timeout_s=5.0)
+        tier = PeerTier(PeerSource("127.0.0.1", port, "r"), timeout_s=0.5)
         serving = asyncio.ensure_future(peer())
         got = await tier.get_many([key(i) for i in range(n_keys)], alloc)
         await asyncio.wait_for(serving, 5.0)
         return got
     finally:
-        router.close(linger=0)
+        listener.close()
 
 
 def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
@@ -163,12 +180,12 @@ def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
         metrics.RECORDER.reset()
         n_keys = data.draw(st.integers(1, 4))
         good = data.draw(st.integers(0, n_keys))
-        script = [[bytes(f) for f in wire.chunk_reply(i, key(i), tensors[i])] for i in range(good)]
+        script = [_framed(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good)]
         if good < n_keys or data.draw(st.booleans()):
             script.append(_damaged(data.draw, good, tensors[min(good, n_keys - 1)]))
         # Whatever follows the damage (a correct rest, then END) must not be taken any more.
-        script += [[bytes(f) for f in wire.chunk_reply(i, key(i), tensors[i])] for i in range(good + 1, n_keys)]
-        script.append(wire.end_reply(n_keys))
+        script += [_framed(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good + 1, n_keys)]
+        script.append(_framed(wire.end_reply(n_keys)))
         got = asyncio.run(_pull_from_scripted_peer(script, n_keys, arena.allocate))
         assert len(got) == n_keys
         n_got = next((i for i, obj in enumerate(got) if obj is None), n_keys)

@@ -247,7 +247,7 @@ def test_decode_worker_skips_what_vllm_has_and_reports_a_dead_prefill_as_load_er
     assert finish_async(decode, meta)[0] == {"d1"}
     # Tokens [32, 100) were to be loaded: their blocks are reported for recompute (block 20 held 0..15).
     assert decode.take_load_errors() == set(D_BLOCKS[CHUNK // BLOCK:])
-    assert metrics.value("pd_pull_failures", reason="timeout") == 1
+    assert metrics.value("pd_pull_failures", reason="unreachable") == 1  # refused at once, no wait for a timeout
 
 
 def test_releases_and_aborts_drop_holds(prefill, decode):

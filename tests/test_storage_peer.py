@@ -5,6 +5,8 @@ bytes; garbage, truncation, silence and refusals are counted misses, and holds n
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -14,16 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.integration.vllm.testing.openai_server import free_port
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.peer import PeerSource, PeerTier, send_release
 from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer
+from lmcache_vllm.storage.peer_server import TransferServer, recv_request
 
 CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
 MiB = 1 << 20
@@ -203,34 +206,80 @@ def test_chunks_without_our_mac_are_rejected(prefill, make_chunk):
     assert metrics.value("unauthenticated_chunks") == 1
 
 
+class SilentPeer:
+    """A TCP server that reads every request sent to it and never answers."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.requests: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn):
+        with conn:
+            try:
+                while True:
+                    self.requests.append(wire.parse_request(recv_request(conn)).op)
+            except (OSError, wire.PeerProtocolError):
+                return
+
+    def close(self):
+        self.listener.close()
+
+
 def test_a_silent_peer_is_a_bounded_miss():
-    sock = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the pull and never answers
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    peer = SilentPeer()
     try:
         with StorageManager(d_config()) as mgr:
             t0 = time.monotonic()
-            assert pull(mgr, [key(0)], PeerSource("127.0.0.1", port, "r6"), timeout_s=0.5) == []
+            assert pull(mgr, [key(0)], PeerSource("127.0.0.1", peer.port, "r6"), timeout_s=0.5) == []
             assert time.monotonic() - t0 < 3
         assert metrics.value("pd_pull_failures", reason="timeout") == 1
         # Done with it, the decode side still said so (RELEASE) after the PULL.
-        frames = [sock.recv_multipart(zmq.NOBLOCK)[2] for _ in range(2) if sock.poll(2000)]
-        assert frames == [b"PULL", b"RELEASE"]
+        assert wait_until(lambda: len(peer.requests) == 2)
+        assert peer.requests == [wire.PULL, wire.RELEASE]
     finally:
-        sock.close(linger=0)
+        peer.close()
+
+
+def test_an_unreachable_peer_is_a_counted_miss():
+    port = free_port()  # nobody listens
+    with StorageManager(d_config()) as mgr:
+        assert pull(mgr, [key(0)], PeerSource("127.0.0.1", port, "r6b"), timeout_s=2.0) == []
+    assert metrics.value("pd_pull_failures", reason="unreachable") == 1
+
+
+def _ask(port: int, payload: bytes) -> list[bytes]:
+    """Sends raw bytes to a transfer server; the parts of its reply (or [] when it closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        try:
+            return recv_request(sock)  # a reply has the same framing
+        except (ConnectionError, wire.PeerProtocolError):
+            return []
+
+
+def _framed(parts: list[bytes]) -> bytes:
+    return b"".join(bytes(p) for p in wire.frame(parts))
 
 
 def test_the_server_survives_garbage_and_answers_it(prefill, make_chunk):
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{prefill.server.port}")
-    try:
-        for garbage in ([b"x"], [b"LMVPD1", b"PULL"], [b"LMVPD1", b"PULL", b"", b"k", b""],
-                        [b"LMVPD1", b"PULL", b"r", b"\xff\xfe", b""], [b"LMVPD1", b"NOPE", b"r", b"k", b""]):
-            dealer.send_multipart(garbage)
-            assert dealer.poll(2000)
-            reply = dealer.recv_multipart()
-            assert reply[:3] == [b"LMVPD1", b"ERR", b"bad_request"]
-    finally:
-        dealer.close(linger=0)
+    for garbage in ([b"x"], [b"LMVPD2", b"PULL"], [b"LMVPD2", b"PULL", b"", b"k", b""],
+                    [b"LMVPD2", b"PULL", b"r", b"\xff\xfe", b""], [b"LMVPD2", b"NOPE", b"r", b"k", b""],
+                    [b"LMVPD1", b"PULL", b"r", b"k", b""]):
+        assert _ask(prefill.server.port, _framed(garbage))[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
+    # Not even framed: a part count or a length out of bounds is answered and the connection closed.
+    assert _ask(prefill.server.port, b"\xff" * 4)[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
+    too_long = struct.pack("<IQ", 1, wire.MAX_REQUEST_BYTES + 1)
+    assert _ask(prefill.server.port, too_long)[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
     tensors = [make_chunk(0, CHUNK)]
     keys = prefill.hold("r7", tensors)
     with StorageManager(d_config()) as mgr:
@@ -293,7 +342,7 @@ def test_prefill_killed_mid_transfer_leaves_a_prefix_and_a_bounded_wait(tmp_path
                 assert bool((obj.tensor == i).all())
                 obj.ref_down()
             assert elapsed < 10
-        assert metrics.value("pd_pull_failures", reason="timeout") == 1
+        assert metrics.value("pd_pull_failures", reason="unreachable") == 1  # its connection closed
     finally:
         child.kill()
         child.wait(10)

@@ -48,9 +48,9 @@ def test_requests_round_trip_with_their_mac():
 
 
 @pytest.mark.parametrize("frames", [
-    [], [b"LMVPD1"], [b"LMVPD2", b"PULL", b"r", b"k", b""], [b"LMVPD1", b"PULL", b"r", b"", b""],
-    [b"LMVPD1", b"PULL", b"", b"k", b""], [b"LMVPD1", b"PULL", b"r" * 2000, b"k", b""],
-    [b"LMVPD1", b"PULL", b"r", b"a\n\nb", b""], [b"LMVPD1", b"PULL", b"\xc3", b"k", b""]])
+    [], [b"LMVPD2"], [b"LMVPD1", b"PULL", b"r", b"k", b""], [b"LMVPD2", b"PULL", b"r", b"", b""],
+    [b"LMVPD2", b"PULL", b"", b"k", b""], [b"LMVPD2", b"PULL", b"r" * 2000, b"k", b""],
+    [b"LMVPD2", b"PULL", b"r", b"a\n\nb", b""], [b"LMVPD2", b"PULL", b"\xc3", b"k", b""]])
 def test_malformed_requests_are_refused(frames):
     with pytest.raises(wire.PeerProtocolError):
         wire.parse_request(frames)
@@ -100,7 +100,7 @@ def test_no_memory_is_none_not_an_error(make_chunk):
     assert wire.decode_chunk(wire.parse_reply(valid_reply(tensor)), 0, KEY, lambda s, d: None) is None
 
 
-_frame = st.one_of(st.binary(max_size=96), st.sampled_from([b"LMVPD1", b"CHUNK", b"END", b"ERR",
+_frame = st.one_of(st.binary(max_size=96), st.sampled_from([b"LMVPD2", b"CHUNK", b"END", b"ERR",
                                                              b"\x00\x00\x00\x00", b"\x01\x00\x00\x00"]))
 
 

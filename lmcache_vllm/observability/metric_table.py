@@ -147,8 +147,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _h("pd_pull_seconds", "Time of one request's pull from one prefill instance's rank, first request "
        "to last frame", ("peer",)),
     _c("pd_pull_failures", "requests", "Pulls from a prefill instance that did not bring every chunk asked "
-       "for (reason: timeout, refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, "
-       "bad_params, role); the rest was recomputed", ("reason",)),
+       "for (reason: timeout, unreachable, refused, missing, corrupt, no_memory) or that were not tried "
+       "(tp_mismatch, bad_params, role); the rest was recomputed", ("reason",)),
     _c("pd_served_chunks", "chunks", "Chunks a prefill instance's transfer server sent to a decode instance"),
     _c("pd_served_bytes", "bytes", "Bytes a prefill instance's transfer server sent"),
     _c("pd_holds_released", "requests", "Holds of a prefill instance's chunks ended by the decode "

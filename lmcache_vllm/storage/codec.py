@@ -294,16 +294,6 @@ def decode(buf: ChunkBytes, expected_key: Optional[str],
     return _alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
 
 
-def decode_parts(header_buf: ChunkBytes, payload: ChunkBytes, expected_key: Optional[str],
-                 alloc: AllocFn, mac: Optional[ChunkMac] = None) -> Optional[MemoryObj]:
-    """`decode` for a header and a payload that arrived as separate buffers (network frames): the header
-    buffer must be exactly the header, the payload exactly the payload."""
-    header = parse_header(header_buf, expected_key)
-    if len(header_buf) != header.header_len:
-        raise CorruptEntry(f"header frame has {len(header_buf)} bytes, header says {header.header_len}")
-    return _alloc_and_fill(header, payload, alloc, mac)
-
-
 def _alloc_and_fill(header: ChunkHeader, payload: ChunkBytes, alloc: AllocFn,
                     mac: Optional[ChunkMac]) -> Optional[MemoryObj]:
     obj = alloc(header.shape, header.dtype)

@@ -3,35 +3,40 @@
 Built per request from the prefill instance's address (`PeerSource`, from the request's kv_transfer_params) and
 handed to `StorageManager.prefetch(keys, peer=...)`, which asks it before the disk and Redis tiers: it claims
 every key (the prefill instance said it holds the prompt; asking first would cost a round trip) and `get_many`
-pulls them in one PULL (`peer_wire`), on the storage manager's event loop. Each chunk is checked like a disk
-file or a Redis value — our codec's header with the key *this* instance computed, shape against length,
-checksums, the MAC when a secret is set — and lands in memory from the caller's allocator. What the prefill
+pulls them in one PULL (`peer_wire`) on a TCP connection of its own, on the storage manager's event loop. Each
+chunk's header is checked first — our codec's header with the key *this* instance computed, shape against
+length — then its payload is received straight into memory from the caller's allocator (no copy in user
+space) and checked like a disk file or a Redis value (checksum, the MAC when a secret is set). What the prefill
 instance does not send (it lacks it, answers an error, sends something corrupt, or stays silent for
 `timeout_s` between two messages: a dead or frozen instance) is answered None: a miss, which the load reports
 to vLLM for recompute. Every outcome is counted (`pd_pull_*`), and the tier always tells the prefill instance
-it is done (RELEASE), so its hold ends at once instead of at its lease.
+it is done (RELEASE), so its hold ends at once instead of at its lease. `send_release` does that for callers
+that never pulled, from a thread of its own: a RELEASE never blocks vLLM's step.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import zmq
-import zmq.asyncio
-
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.storage import codec
 from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.base import StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
+from lmcache_vllm.storage.peer_server import tune
 from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
 
-RELEASE_LINGER_MS = 1000  # how long ZMQ keeps trying to deliver a RELEASE after the pull's socket closed
+RELEASE_TIMEOUT_S = 1.0  # a RELEASE's connect and send; a prefill instance it cannot reach lets its hold expire
 
 
 @dataclass(frozen=True)
@@ -44,37 +49,93 @@ class PeerSource:
     req_id: str
 
     @property
-    def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-    @property
     def label(self) -> str:
         return f"{self.host}:{self.port}"
 
 
+class _Releases:
+    """One daemon thread that sends queued RELEASEs (fire and forget: a dead instance loses nothing, its hold
+    expires)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[PeerSource, Optional[ChunkMac]]] = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, source: PeerSource, mac: Optional[ChunkMac]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lmcache-pd-release", daemon=True)
+                self._thread.start()
+        self._queue.put((source, mac))
+
+    def _run(self) -> None:
+        enter_background_cpus()
+        while True:
+            source, mac = self._queue.get()
+            try:
+                with socket.create_connection((source.host, source.port), timeout=RELEASE_TIMEOUT_S) as sock:
+                    sock.sendall(b"".join(bytes(p) for p in wire.frame(
+                        wire.encode_request(wire.RELEASE, source.req_id, mac=mac))))
+            except OSError:
+                pass
+
+
+_RELEASES = _Releases()
+
+
 def send_release(source: PeerSource, mac: Optional[ChunkMac] = None) -> None:
-    """Tells a prefill instance it may drop its hold for `source.req_id` (fire and forget: a dead instance
-    loses nothing, its hold expires)."""
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, RELEASE_LINGER_MS)
-        sock.connect(source.endpoint)
-        sock.send_multipart(wire.encode_request(wire.RELEASE, source.req_id, mac=mac), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
-    finally:
-        sock.close()
+    """Tells a prefill instance it may drop its hold for `source.req_id`, without waiting for it."""
+    _RELEASES.put(source, mac)
 
 
-def _release_on(sock: zmq.asyncio.Socket, source: PeerSource, mac: Optional[ChunkMac]) -> None:
-    """Queues a RELEASE on the pull's own socket (delivered within the linger after it closes)."""
-    try:
-        sent = sock.send_multipart(wire.encode_request(wire.RELEASE, source.req_id, mac=mac), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        return
-    if isinstance(sent, asyncio.Future):  # a failure of this best-effort send is nobody's business
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+class _Connection:
+    """A pull's TCP connection on the event loop: every read and write bounded by `timeout_s`."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.loop = asyncio.get_running_loop()
+
+    async def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        data = b"".join(bytes(p) for p in wire.frame(parts))
+        async with asyncio.timeout(self.timeout_s):
+            await self.loop.sock_sendall(self.sock, data)
+
+    async def read_into(self, view: memoryview) -> None:
+        """Fills `view`; `TimeoutError` after `timeout_s` without a byte (one timer, moved on by each read:
+        no task per read)."""
+        got = 0
+        async with asyncio.timeout(self.timeout_s) as timer:
+            while got < view.nbytes:
+                n = await self.loop.sock_recv_into(self.sock, view[got:])
+                if not n:  # the prefill instance closed or died: counted as unreachable, not as corrupt data
+                    raise ConnectionError(f"connection closed {view.nbytes - got} bytes before the message end")
+                got += n
+                timer.reschedule(self.loop.time() + self.timeout_s)
+
+    async def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        await self.read_into(memoryview(buf))
+        return bytes(buf)
+
+    async def read_reply(self) -> tuple[wire.PeerReply, int]:
+        """The next reply but a CHUNK's payload, which stays unread: (reply, the payload's length)."""
+        count = wire.part_count(await self.read(wire.COUNT_BYTES))
+        lengths = wire.parse_lengths(await self.read(8 * count), count, codec.MAX_PAYLOAD_BYTES + (1 << 20))
+        parts: list[bytes] = []
+        for i, n in enumerate(lengths):
+            if i == 4 and count == 5 and parts[1] == wire.CHUNK:
+                # The payload: read by the caller, into the chunk's memory (parsed here as empty).
+                reply = wire.parse_reply([*parts, b""])
+                return reply, lengths[4]
+            if n > wire.MAX_SMALL_PART:
+                raise wire.PeerProtocolError(f"a reply part of {n} bytes")
+            parts.append(await self.read(n))
+        reply = wire.parse_reply(parts)
+        if reply.kind == wire.CHUNK:  # a CHUNK of another part count never gets here (parse_reply refuses)
+            raise wire.PeerProtocolError("a CHUNK without its payload")
+        return reply, 0
 
 
 class PeerTier(StorageBackend):
@@ -104,18 +165,22 @@ class PeerTier(StorageBackend):
         out: list[Optional[MemoryObj]] = [None] * len(keys)
         if not keys:
             return out
-        sock: zmq.asyncio.Socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, RELEASE_LINGER_MS)
         label = self.source.label
         t0 = time.perf_counter()
         received = 0
         reason = ""
+        sock = socket.socket(socket.AF_INET6 if ":" in self.source.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        conn = _Connection(sock, self.timeout_s)
+        connected = False
         try:
-            sock.connect(self.source.endpoint)
-            await sock.send_multipart(wire.encode_request(wire.PULL, self.source.req_id, keys, self.mac))
+            tune(sock)
+            async with asyncio.timeout(self.timeout_s):
+                await conn.loop.sock_connect(sock, (self.source.host, self.source.port))
+            connected = True
+            await conn.send(wire.encode_request(wire.PULL, self.source.req_id, keys, self.mac))
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(copy=False), self.timeout_s)
-                reply = wire.parse_reply(frames)
+                reply, payload_len = await conn.read_reply()
                 if reply.kind == wire.END:
                     reason = "" if received == len(keys) else "missing"
                     break
@@ -127,7 +192,7 @@ class PeerTier(StorageBackend):
                     break
                 if received >= len(keys):
                     raise wire.PeerProtocolError(f"more chunks than the {len(keys)} asked for")
-                obj = wire.decode_chunk(reply, received, keys[received], alloc, self.mac)
+                obj = await self._receive_chunk(conn, reply, payload_len, received, keys[received], alloc)
                 if obj is None:
                     reason = "no_memory"
                     metrics.inc("read_alloc_failures", tier=self.name)
@@ -136,7 +201,7 @@ class PeerTier(StorageBackend):
                 received += 1
                 metrics.inc("pd_pulled_chunks", peer=label)
                 metrics.inc("pd_pulled_bytes", obj.nbytes, peer=label)
-        except asyncio.TimeoutError:
+        except TimeoutError:  # asyncio.TimeoutError is TimeoutError (3.11)
             reason = "timeout"
             logs.warn(logger, "pd_pull_timeout", "prefill instance %s silent for %.1fs while request %s pulled "
                       "%d of %d chunks; the rest is recomputed", label, self.timeout_s, self.source.req_id,
@@ -146,13 +211,38 @@ class PeerTier(StorageBackend):
             metrics.inc("corrupt_chunks", tier=self.name)
             logs.warn(logger, "pd_pull_corrupt", "request %s: chunk %d from %s rejected (%s); the rest is "
                       "recomputed", self.source.req_id, received, label, exc)
+        except OSError as exc:  # refused, reset, closed: the prefill instance is gone
+            reason = "unreachable"
+            logs.warn(logger, "pd_pull_unreachable", "prefill instance %s unreachable while request %s pulled "
+                      "%d of %d chunks (%s); the rest is recomputed", label, self.source.req_id, received,
+                      len(keys), exc)
         except asyncio.CancelledError:
             release_objs(out)  # the caller gave up (request aborted, load timed out): nothing is returned
             raise
         finally:
-            _release_on(sock, self.source, self.mac)
             sock.close()
+            if connected:
+                send_release(self.source, self.mac)
             metrics.observe("pd_pull_seconds", time.perf_counter() - t0, peer=label)
             if reason:
                 metrics.inc("pd_pull_failures", reason=reason)
         return out
+
+    async def _receive_chunk(self, conn: _Connection, reply: wire.PeerReply, payload_len: int, index: int,
+                             key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+        """The chunk of a CHUNK reply whose payload is still on the stream: its header checked (index, this
+        instance's key, shape against the payload's length), the payload received into memory from `alloc`
+        and checked (checksum, MAC). None without memory (the stream is then left mid-message: the caller
+        stops); `CorruptEntry` / `PeerProtocolError` for anything wrong, with nothing left allocated."""
+        header = wire.check_chunk(reply, index, key, payload_len)
+        obj = alloc(header.shape, header.dtype)
+        if obj is None:
+            return None
+        try:
+            view = codec.payload_view(obj.tensor)
+            await conn.read_into(view)
+            codec.verify_payload(header, view, self.mac)
+        except BaseException:
+            obj.ref_down()
+            raise
+        return obj

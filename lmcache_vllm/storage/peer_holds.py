@@ -6,12 +6,10 @@ so the allocator cannot evict them. It ends on the decode instance's RELEASE (`r
 was aborted (`release` too), or `lease_s` after it was registered (`expire`): memory is never held for a
 decode instance that never comes.
 
-The transfer server (`peer_server.py`) sends held chunks zero-copy: ZMQ reads the arena while the message
-is queued. It takes its own reference on the chunks it sends (`checkout`) and hands them back with the
-sends' trackers (`sent`); they are dropped once ZMQ let go of every send (`reap`), or after `DRAIN_LIMIT_S`:
-a peer that stopped reading must not pin L1 for ever, and a range reused after that reaches the peer as
-bytes that fail their checksum, a counted miss, never wrong KV. So a hold can end at any time, also while
-its chunks are being sent.
+The transfer server (`peer_server.py`) sends held chunks straight from the arena. It takes its own reference
+on the chunks it sends (`checkout`) and hands them back once its sends returned (`sent`: every byte is in
+the kernel's buffers by then, or the send failed), so a hold can end at any time, also while its chunks are
+being sent; a peer that stops reading is dropped after the server's I/O timeout.
 
 Thread-safe: holds are registered on vLLM's worker thread, filled on the save thread, served and expired on
 the transfer server's thread.
@@ -24,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import metrics
@@ -32,7 +30,6 @@ from lmcache_vllm.storage.base import release_objs
 
 logger = logging.getLogger(__name__)
 
-DRAIN_LIMIT_S = 10.0
 _REMEMBER_ENDED = 4096  # ended holds remembered (so a late pull hears "expired", not "unknown")
 
 
@@ -82,13 +79,6 @@ class Checkout:
     headers: tuple[bytes, ...] = ()  # READY: their wire headers when made in advance (else empty)
 
 
-@dataclass(eq=False)
-class _Draining:
-    objs: list[MemoryObj]
-    sends: list[Any]
-    since: float
-
-
 class PeerHolds:
     """See the module docstring. `clock` is for tests."""
 
@@ -100,7 +90,6 @@ class PeerHolds:
         self._lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
         self._ended: "OrderedDict[str, HoldState]" = OrderedDict()
-        self._draining: list[_Draining] = []
         self._changed = threading.Event()  # a hold was filled (the server serves parked pulls)
         self._unregister = metrics.register_gauges(self._gauges)
 
@@ -148,11 +137,9 @@ class PeerHolds:
             headers = tuple(hold.headers[i] for i in indexes) if hold.headers else ()
             return Checkout(HoldState.READY, objs, tuple(hold.keys or ()), headers)
 
-    def sent(self, objs: Sequence[MemoryObj], sends: Sequence[Any]) -> None:
-        """Hands back checked-out chunks; their references drop once every send (`.done`) is over."""
-        with self._lock:
-            self._draining.append(_Draining(list(objs), list(sends), self._clock()))
-        self.reap()
+    def sent(self, objs: Sequence[MemoryObj]) -> None:
+        """Hands back checked-out chunks (their sends are over)."""
+        release_objs(objs)
 
     def release(self, req_id: str) -> bool:
         """Ends the hold of `req_id` (the decode instance has its chunks, or the request was aborted)."""
@@ -184,7 +171,6 @@ class PeerHolds:
             logger.info("hold of request %s expired after %.0fs without a pull or release (%d chunks)",
                         hold.req_id, self.lease_s, len(hold.objs))
             release_objs(hold.objs)
-        self.reap()
         return [h.req_id for h in gone]
 
     def next_deadline(self) -> Optional[float]:
@@ -197,19 +183,6 @@ class PeerHolds:
         self._changed.clear()
         return changed
 
-    def reap(self) -> None:
-        """Drops the references of ended holds whose sends are over (or that waited `DRAIN_LIMIT_S`)."""
-        now = self._clock()
-        with self._lock:
-            done: list[_Draining] = []
-            busy: list[_Draining] = []
-            for d in self._draining:
-                over = all(s.done for s in d.sends) or now - d.since > DRAIN_LIMIT_S
-                (done if over else busy).append(d)
-            self._draining = busy
-        for d in done:
-            release_objs(d.objs)
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._holds)
@@ -221,12 +194,9 @@ class PeerHolds:
         yield "pd_held_bytes", {}, sum(h.nbytes for h in holds)
 
     def close(self) -> None:
-        """Ends every hold (the references go back even if a send is in flight: the server is closed)."""
+        """Ends every hold (a send in flight keeps its own references until it returns)."""
         self._unregister()
         with self._lock:
             holds, self._holds = list(self._holds.values()), {}
-            draining, self._draining = self._draining, []
         for hold in holds:
             release_objs(hold.objs)
-        for d in draining:
-            release_objs(d.objs)

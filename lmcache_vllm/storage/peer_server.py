@@ -1,32 +1,34 @@
 """`TransferServer`: a prefill instance's endpoint from which decode instances pull held chunks.
 
-One per worker rank: a pyzmq ROUTER on its own daemon thread, bound to `host` (an address or a name; "*" or
-"0.0.0.0": every interface) and `port` (0: one the OS picks; `port` tells which). It answers the requests of
-`peer_wire` from the holds of `peer_holds.PeerHolds`:
+One per worker rank: a TCP listener on its own daemon thread, bound to `host` (an address or a name; "*" or
+"0.0.0.0": every interface) and `port` (0: one the OS picks; `port` tells which); each connection a decode
+instance opens is served by a thread of its own (at most `max_connections` at once; more are closed at once).
+It answers the requests of `peer_wire` from the holds of `peer_holds.PeerHolds`:
 
 - PULL(request, keys): the held chunks of the longest prefix of `keys`, one CHUNK message each (the payload
-  sent zero-copy from the L1 arena), then END. A request whose saves are not over yet is parked until its
-  hold is filled; one unknown here is parked `unknown_grace_s` (a decode instance can in principle ask
-  before this rank registered the hold) and then answered ERR unknown; a released or expired one ERR at once.
-  A hold that has none of the asked keys is answered ERR keys, naming the first key on each side, so the
-  decode instance can say what differs (model fingerprint, TP size or rank, chunk size, format).
+  sent from the L1 arena without a copy in user space), then END. A request whose saves are not over yet
+  waits until its hold is filled; one unknown here waits `unknown_grace_s` (a decode instance can in
+  principle ask before this rank registered the hold) and is then answered ERR unknown; a released or
+  expired one ERR at once. A hold that has none of the asked keys is answered ERR keys, naming the first key
+  on each side, so the decode instance can say what differs (model fingerprint, TP size or rank, chunk size,
+  format).
 - RELEASE(request): ends the hold (no reply).
 With a MAC secret, a request without a valid MAC is answered ERR auth (a PULL) or ignored (a RELEASE).
-Expired holds are ended by this thread too, so a hold nobody pulls never outlives its lease by more than a
-poll interval. Malformed requests are counted and answered ERR bad_request; nothing a peer sends stops the
+Expired holds are ended by the listener thread, so a hold nobody pulls never outlives its lease by more than a
+poll interval. A malformed message is answered ERR bad_request and its connection closed (the stream cannot be
+trusted after it); a peer silent or not reading for `io_timeout_s` is dropped. Nothing a peer sends stops a
 thread.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-import zmq
-
+from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac
@@ -37,146 +39,202 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.2  # idle poll interval (expiry granularity)
+_POLL_S = 0.2  # the listener's idle poll (expiry granularity)
 _PARKED_POLL_S = 0.005  # while a pull waits for its hold to be filled
+_SOCKET_BUFFER = 4 << 20  # bytes: whole chunks in flight per connection
 
 
 def bind_address(host: str) -> str:
-    """The address ZMQ binds for `host`: a name is resolved (ZMQ binds interfaces, not names)."""
-    if host in ("*", "0.0.0.0", "::", ""):
-        return "*"
+    """The address to bind for `host`: every interface for the wildcards, a name resolved."""
+    if host in ("*", "0.0.0.0", ""):
+        return "0.0.0.0"
+    if host == "::" or ":" in host:
+        return host
     try:
         return socket.gethostbyname(host)
     except OSError:
         return host
 
 
-@dataclass
-class _Parked:
-    identity: bytes
-    request: wire.PeerRequest
-    since: float
+def tune(sock: socket.socket) -> None:
+    """Large socket buffers and no Nagle delay: a pull is a request and then a stream of large messages."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        except OSError:
+            pass
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def send_message(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """Sends one framed message, every byte (sendmsg: the parts leave from where they are)."""
+    views = [memoryview(p).cast("B") for p in wire.frame(parts)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """n bytes from `sock` (blocking, its timeout per call); `ConnectionError` when the peer closes first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_request(sock: socket.socket) -> list[bytes]:
+    """The parts of one request message; `PeerProtocolError` for a prefix out of bounds."""
+    count = wire.part_count(recv_exact(sock, wire.COUNT_BYTES))
+    lengths = wire.parse_lengths(recv_exact(sock, 8 * count), count, wire.MAX_REQUEST_BYTES)
+    return [recv_exact(sock, n) for n in lengths]
 
 
 class TransferServer:
     """See the module docstring."""
 
     def __init__(self, holds: PeerHolds, *, host: str, port: int = 0, mac: ChunkMac | None = None,
-                 unknown_grace_s: float = 2.0):
+                 unknown_grace_s: float = 2.0, io_timeout_s: float = 30.0, max_connections: int = 64):
         self.holds = holds
         self.host = host
         self.mac = mac
         self.unknown_grace_s = float(unknown_grace_s)
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not a silent drop
-        self._socket.setsockopt(zmq.SNDHWM, 0)  # queued sends are references into the arena, not copies
-        self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
+        self.io_timeout_s = float(io_timeout_s)
+        self.max_connections = int(max_connections)
         address = bind_address(host)
-        if port:
-            self._socket.bind(f"tcp://{address}:{port}")
-            self.port = int(port)
-        else:
-            self.port = self._socket.bind_to_random_port(f"tcp://{address}")
-        self._parked: list[_Parked] = []
+        self._listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((address, int(port)))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-pd-transfer", daemon=True)
         self._thread.start()
         logger.info("KV transfer server listening on %s:%d", host, self.port)
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the listener
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        enter_background_cpus()
         while not self._stop.is_set():
             try:
-                timeout = _PARKED_POLL_S if self._parked else _POLL_S
-                if dict(poller.poll(int(timeout * 1000))):
-                    self._receive()
-                if self._parked:
-                    self._serve_parked()
+                ready, _, _ = select.select([self._listener], [], [], _POLL_S)
+                if ready:
+                    self._accept()
                 self.holds.expire()
-            except zmq.ZMQError:
+            except OSError:
                 if self._stop.is_set():
                     break
                 logs.warn(logger, "pd_server_error", "KV transfer server error", exc_info=True)
-            except Exception:  # nothing a peer sends may stop the thread
+            except Exception:  # nothing a peer does may stop the thread
                 logs.warn(logger, "pd_server_error", "KV transfer server error", exc_info=True)
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+    def _accept(self) -> None:
+        conn, _ = self._listener.accept()
+        with self._lock:
+            if len(self._connections) >= self.max_connections:
+                logs.warn(logger, "pd_too_many_peers", "KV transfer server: %d connections open; one refused",
+                          len(self._connections))
+                conn.close()
                 return
-            identity, body = frames[0], frames[1:]
-            try:
-                request = wire.parse_request(body)
-            except wire.PeerProtocolError as exc:
-                logs.warn(logger, "pd_bad_request", "malformed KV transfer request: %s", exc)
-                self._reply(identity, wire.error_reply(b"bad_request", str(exc)))
-                continue
-            if not wire.verify_request(request, self.mac):
-                logs.warn(logger, "pd_bad_auth", "KV transfer request for %s without a valid MAC refused",
-                          request.req_id)
-                if request.op == wire.PULL:
-                    self._reply(identity, wire.error_reply(b"auth", "the request's MAC does not verify"))
-                continue
-            if request.op == wire.RELEASE:
-                self.holds.release(request.req_id)
-            else:
-                self._pull(_Parked(identity, request, time.monotonic()))
+            self._connections.add(conn)
+        tune(conn)
+        conn.settimeout(self.io_timeout_s)
+        threading.Thread(target=self._connection, args=(conn,), name="lmcache-pd-conn", daemon=True).start()
 
-    def _serve_parked(self) -> None:
-        parked, self._parked = self._parked, []
-        for entry in parked:
-            self._pull(entry)
+    # ------------------------------------------------------------------ one connection
+    def _connection(self, conn: socket.socket) -> None:
+        enter_background_cpus()
+        try:
+            while not self._stop.is_set():
+                try:
+                    parts = recv_request(conn)
+                    request = wire.parse_request(parts)
+                except (ConnectionError, TimeoutError, OSError):
+                    return  # closed, silent or gone: nothing to answer
+                except wire.PeerProtocolError as exc:
+                    logs.warn(logger, "pd_bad_request", "malformed KV transfer request: %s", exc)
+                    self._reply(conn, wire.error_reply(b"bad_request", str(exc)))
+                    return
+                if not wire.verify_request(request, self.mac):
+                    logs.warn(logger, "pd_bad_auth", "KV transfer request for %s without a valid MAC refused",
+                              request.req_id)
+                    if request.op == wire.PULL:
+                        self._reply(conn, wire.error_reply(b"auth", "the request's MAC does not verify"))
+                    continue
+                if request.op == wire.RELEASE:
+                    self.holds.release(request.req_id)
+                elif not self._pull(conn, request):
+                    return
+        except Exception:  # a bug here must not leak the connection or kill the server
+            logs.warn(logger, "pd_server_error", "KV transfer connection error", exc_info=True)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
 
-    def _pull(self, entry: _Parked) -> None:
-        request = entry.request
-        checkout = self.holds.checkout(request.req_id, request.keys)
-        state = checkout.state
-        if state == HoldState.PENDING or (
-                state == HoldState.UNKNOWN and time.monotonic() - entry.since < self.unknown_grace_s):
-            self._parked.append(entry)
-            return
+    def _pull(self, conn: socket.socket, request: wire.PeerRequest) -> bool:
+        """Answers one PULL; False when the connection is no good any more."""
+        since = time.monotonic()
+        while True:
+            checkout = self.holds.checkout(request.req_id, request.keys)
+            state = checkout.state
+            waiting = state == HoldState.PENDING or (
+                state == HoldState.UNKNOWN and time.monotonic() - since < self.unknown_grace_s)
+            if not waiting or self._stop.wait(_PARKED_POLL_S):
+                break
         if state != HoldState.READY:
             code = b"expired" if state == HoldState.EXPIRED else b"unknown"
-            self._reply(entry.identity, wire.error_reply(code, f"request {request.req_id}: {state.value}"))
-            return
+            return self._reply(conn, wire.error_reply(code, f"request {request.req_id}: {state.value}"))
         if not checkout.objs and checkout.held_keys:
-            self._reply(entry.identity, wire.error_reply(
+            return self._reply(conn, wire.error_reply(
                 b"keys", f"holds {checkout.held_keys[0]!r}, asked for {request.keys[0]!r}"))
-            return
-        self._send(entry.identity, request, checkout.objs, checkout.headers)
+        return self._send(conn, request, checkout.objs, checkout.headers)
 
-    def _send(self, identity: bytes, request: wire.PeerRequest, objs: list[MemoryObj],
-              headers: tuple[bytes, ...]) -> None:
-        sends = []
+    def _send(self, conn: socket.socket, request: wire.PeerRequest, objs: list[MemoryObj],
+              headers: tuple[bytes, ...]) -> bool:
         sent_bytes = 0
         try:
             for index, obj in enumerate(objs):
-                frames = wire.chunk_reply(index, request.keys[index], obj.tensor, self.mac,
-                                          headers[index] if headers else None)
-                sends.append(self._socket.send_multipart([identity, *frames], copy=False, track=True))
+                send_message(conn, wire.chunk_reply(index, request.keys[index], obj.tensor, self.mac,
+                                                    headers[index] if headers else None))
                 sent_bytes += obj.nbytes
-            self._socket.send_multipart([identity, *wire.end_reply(len(objs))])
+            send_message(conn, wire.end_reply(len(objs)))
             metrics.inc("pd_served_chunks", len(objs))
             metrics.inc("pd_served_bytes", sent_bytes)
-        except zmq.ZMQError as exc:  # the peer went away (ROUTER_MANDATORY): it will recompute
+            return True
+        except OSError as exc:  # the peer went away or stopped reading: it recomputes what it lacks
             logs.warn(logger, "pd_peer_gone", "request %s: decode instance gone while sending (%s)",
                       request.req_id, exc)
+            return False
         finally:
-            self.holds.sent(objs, sends)
+            self.holds.sent(objs)  # every byte is in the kernel's buffers, or the send failed
 
-    def _reply(self, identity: bytes, frames: list[bytes]) -> None:
+    def _reply(self, conn: socket.socket, frames: list[bytes]) -> bool:
         try:
-            self._socket.send_multipart([identity, *frames])
-        except zmq.ZMQError:
-            pass  # the peer went away
+            send_message(conn, frames)
+            return True
+        except OSError:
+            return False  # the peer went away
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._socket.close(linger=0)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its thread; the thread closes it
+            except OSError:
+                pass

@@ -1,8 +1,14 @@
 """The wire format between a decode instance (D) pulling a request's KV and the transfer server of the
-prefill instance (P) holding it (docs/DISAGGREGATED.md). ZMQ multipart messages; no pickle, every field
-checked; the chunks themselves are our codec's header + payload, verified like a disk file or a Redis value.
+prefill instance (P) holding it (docs/DISAGGREGATED.md). Messages of a few parts on a TCP connection D opens;
+no pickle, every field checked; the chunks themselves are our codec's header + payload, verified like a disk
+file or a Redis value.
 
-Requests (D's DEALER -> P's ROUTER, which puts D's identity in front):
+On the stream a message is `u32 LE part count, u64 LE length of each part, the parts` (`frame`,
+`parse_lengths`): D learns a payload's length and the chunk's header before the payload's first byte, so it
+receives the payload straight into its L1 arena (one kernel copy, as a raw socket copy makes), and a length
+is checked against its part's bound before anything is read or allocated.
+
+Requests (D -> P):
 
     [PROTOCOL, b"PULL",    request id (UTF-8), keys (UTF-8, joined by "\\n"), auth]
     [PROTOCOL, b"RELEASE", request id (UTF-8), b"",                          auth]
@@ -10,7 +16,7 @@ Requests (D's DEALER -> P's ROUTER, which puts D's identity in front):
 `auth` is b"" without a MAC secret, else the keyed BLAKE3 (`codec.ChunkMac`) of the other frames: with
 `extra_config.chunk_mac_key` set, a transfer server answers only peers that share the secret.
 
-Replies to a PULL (P -> D), in this order:
+Replies to a PULL (P -> D, on the same connection), in this order:
 
     [PROTOCOL, b"CHUNK", index u32 LE, codec header, payload]   one per key, from key 0, no gap
     [PROTOCOL, b"END",   count u32 LE]                          no more chunks: `count` were sent
@@ -33,8 +39,8 @@ from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
 if TYPE_CHECKING:  # the API server imports this through pd/params.py: it must not load the cache's memory
     from lmcache_vllm.memory import MemoryObj
 
-PROTOCOL = b"LMVPD1"
-PROTOCOL_VERSION = 1  # the number in kv_transfer_params; bump with PROTOCOL
+PROTOCOL = b"LMVPD2"
+PROTOCOL_VERSION = 2  # the number in kv_transfer_params; bump with PROTOCOL (2: TCP stream, was ZMQ)
 PULL, RELEASE = b"PULL", b"RELEASE"
 CHUNK, END, ERR = b"CHUNK", b"END", b"ERR"
 # Error codes of ERR replies.
@@ -48,8 +54,12 @@ ERRORS = {
 }
 MAX_KEYS = 1 << 16  # keys in one PULL (a 16M-token prompt in 256-token chunks)
 MAX_REQ_ID = 1024  # bytes
-MAX_REQUEST_BYTES = 32 << 20  # one request frame a transfer server accepts (ZMQ drops larger ones)
+MAX_REQUEST_BYTES = 32 << 20  # one request a transfer server accepts (all its parts)
+MAX_PARTS = 8  # parts of one message (the longest, CHUNK, has 5)
+MAX_SMALL_PART = 1 << 17  # any part of a reply but a CHUNK's payload (a codec header is at most 64 KiB)
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+COUNT_BYTES = _U32.size
 
 
 class PeerProtocolError(ValueError):
@@ -74,6 +84,29 @@ class PeerReply:
     detail: str = ""  # ERR
 
 
+def frame(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A message as it goes on the stream: its prefix (part count and lengths), then the parts as they are
+    (a payload stays a zero-copy view)."""
+    lengths = b"".join(_U64.pack(memoryview(p).nbytes) for p in parts)
+    return [_U32.pack(len(parts)) + lengths, *parts]
+
+
+def part_count(prefix: bytes | bytearray | memoryview) -> int:
+    """The part count of a message from its first `COUNT_BYTES`; `PeerProtocolError` out of bounds."""
+    (count,) = _U32.unpack(prefix)
+    if not 1 <= count <= MAX_PARTS:
+        raise PeerProtocolError(f"a message of {count} parts")
+    return int(count)
+
+
+def parse_lengths(buf: bytes | bytearray | memoryview, count: int, budget: int) -> list[int]:
+    """The `count` part lengths of a message (`8 * count` bytes); their sum must stay within `budget`."""
+    lengths = [int(_U64.unpack_from(buf, 8 * i)[0]) for i in range(count)]
+    if sum(lengths) > budget:
+        raise PeerProtocolError(f"a message of {sum(lengths)} bytes (at most {budget})")
+    return lengths
+
+
 def _signed(op: bytes, req_id: bytes, keys: bytes) -> bytes:
     return b"|".join((PROTOCOL, op, req_id, keys))
 
@@ -88,7 +121,7 @@ def encode_request(op: bytes, req_id: str, keys: Sequence[str] = (), mac: Option
     return [PROTOCOL, op, rid, blob, request_auth(mac, op, rid, blob)]
 
 
-def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes, memoryview or zmq.Frame
+def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes or memoryview parts
     """A request as the server received it (without the ROUTER's identity frame)."""
     parts = [bytes(f) for f in frames]
     if len(parts) != 5 or parts[0] != PROTOCOL or parts[1] not in (PULL, RELEASE):
@@ -140,9 +173,8 @@ def error_reply(code: bytes, detail: str = "") -> list[bytes]:
 
 
 def _buffer(frame: Any) -> bytes | memoryview:
-    """A frame's bytes without a copy (zmq.Frame, bytes or memoryview)."""
-    buf = getattr(frame, "buffer", frame)
-    return buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
+    """A part's bytes without a copy."""
+    return frame if isinstance(frame, (bytes, memoryview)) else memoryview(frame)
 
 
 def parse_reply(frames: Sequence[Any]) -> PeerReply:
@@ -161,17 +193,41 @@ def parse_reply(frames: Sequence[Any]) -> PeerReply:
     raise PeerProtocolError(f"malformed {kind[:16]!r} reply ({len(parts)} frames)")
 
 
+def check_chunk(reply: PeerReply, expected_index: int, expected_key: str, payload_len: int) -> codec.ChunkHeader:
+    """The checked header of a CHUNK reply, before its payload is read: the index D expects next, D's own key
+    for it, the header's checksum and length, shape against the payload's length. `CorruptEntry` or
+    `PeerProtocolError` for anything wrong."""
+    if reply.kind != CHUNK or reply.index != expected_index:
+        raise PeerProtocolError(f"expected chunk {expected_index}, got {reply.kind!r} {reply.index}")
+    header = codec.parse_header(reply.header, expected_key)
+    if len(reply.header) != header.header_len:
+        raise CorruptEntry(f"header part has {len(reply.header)} bytes, header says {header.header_len}")
+    if payload_len != header.payload_len:
+        raise CorruptEntry(f"payload has {payload_len} bytes, header says {header.payload_len}")
+    return header
+
+
 def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
                  alloc: Callable[[tuple[int, ...], torch.dtype], Optional[MemoryObj]],
                  mac: Optional[ChunkMac] = None) -> Optional[MemoryObj]:
-    """The chunk of a CHUNK reply, checked: the index D expects next, D's own key for it, header and payload
-    checksums, shape against length, MAC. None when `alloc` has no memory; `CorruptEntry` (or
-    `PeerProtocolError`) for anything wrong, with nothing left allocated."""
-    if reply.kind != CHUNK or reply.index != expected_index:
-        raise PeerProtocolError(f"expected chunk {expected_index}, got {reply.kind!r} {reply.index}")
-    return codec.decode_parts(reply.header, reply.payload, expected_key, alloc, mac)
+    """The chunk of a CHUNK reply whose payload is in hand: `check_chunk`, then the payload copied into memory
+    from `alloc` and checked (checksums, MAC) as the decode instance does with a payload it receives straight
+    into memory. None when `alloc` has no memory; `CorruptEntry` (or `PeerProtocolError`) for anything wrong,
+    with nothing left allocated."""
+    header = check_chunk(reply, expected_index, expected_key, memoryview(reply.payload).nbytes)
+    obj = alloc(header.shape, header.dtype)
+    if obj is None:
+        return None
+    try:
+        codec.decode_payload_into(reply.payload, header, obj.tensor, mac)
+    except BaseException:
+        obj.ref_down()
+        raise
+    return obj
 
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
+           "MAX_PARTS", "MAX_SMALL_PART", "COUNT_BYTES", "frame", "part_count", "parse_lengths",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "encode_request", "parse_request",
-           "verify_request", "chunk_header", "chunk_reply", "end_reply", "error_reply", "parse_reply", "decode_chunk"]
+           "verify_request", "chunk_header", "chunk_reply", "end_reply", "error_reply", "parse_reply", "check_chunk",
+           "decode_chunk"]
