@@ -15,13 +15,15 @@ one thread (P bound to core 0, D to core 1, the reference to core 0).
 What D pulled is read from its metrics: the `cached_tokens` of D's answer are P's own prefix hits (vLLM reports
 `remote_prefill_cached_tokens` there, as for its NIXL connector), not the pulled ones.
 
+vLLM's own toy proxy (toy_proxy_server.py, taken unchanged from the sdist of the installed vLLM) drives the
+same two instances for completions and chat completions.
+
 Last in the module, P is frozen and then SIGKILLed while D pulls: D answers (recomputed) within a bounded time.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,6 +37,7 @@ import e2e_harness as h
 import pytest
 
 from lmcache_vllm.integration.vllm.testing.openai_server import free_port, post, scrape, serve
+from lmcache_vllm.integration.vllm.testing.vllm_sources import TOY_PROXY, SourceUnavailable, vllm_source_file
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -43,6 +46,10 @@ PROMPT_LEN = 700  # two whole 256-token chunks and a partial one
 COLD_LEN = 600
 PROMPT = h.random_tokens(200, PROMPT_LEN)
 STREAMED = h.random_tokens(201, PROMPT_LEN)
+TOY = h.random_tokens(202, PROMPT_LEN)
+# A chat template for the tokenizer-only local model: the messages' contents, nothing added.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+CHAT_TEXT = " ".join(f"line {i} says {i * 7919 % 1000} to {i % 13}" for i in range(150))
 CONCURRENT = [h.random_tokens(210 + i, PROMPT_LEN) for i in range(8)]
 TP_PROMPT = h.random_tokens(220, COLD_LEN)
 KILLED = h.random_tokens(221, COLD_LEN)
@@ -55,7 +62,7 @@ P_STATE = "lmcache_vllm:pd_holds"
 def server_args(model: str, extra: dict, max_batched: int) -> list[str]:
     return ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-chunked-prefill",
-            "--max-num-batched-tokens", str(max_batched),
+            "--max-num-batched-tokens", str(max_batched), "--chat-template", CHAT_TEMPLATE,
             "--kv-transfer-config", json.dumps(h.connector(extra))]
 
 
@@ -65,11 +72,12 @@ def reference(tiny_model, tmp_path_factory):
     kwargs = h.llm_kwargs(max_num_batched_tokens=PROMPT_LEN - 1, enable_chunked_prefill=True)
     phases = [{"name": "prompt", "prompts": [PROMPT], "max_tokens": MAX_TOKENS},
               {"name": "streamed", "prompts": [STREAMED], "max_tokens": MAX_TOKENS},
+              {"name": "toy", "prompts": [TOY], "max_tokens": MAX_TOKENS},
               {"name": "tp", "prompts": [TP_PROMPT], "max_tokens": MAX_TOKENS},
               {"name": "killed", "prompts": [KILLED], "max_tokens": MAX_TOKENS}]
     result = h.run_job(tmp_path_factory.mktemp("e2e_pdp_ref"), "reference",
                        {"model": tiny_model, "llm_kwargs": kwargs, "phases": phases}, multiprocessing=True)
-    return {p: h.phase(result, p)[0]["tokens"] for p in ("prompt", "streamed", "tp", "killed")}
+    return {p: h.phase(result, p)[0]["tokens"] for p in ("prompt", "streamed", "toy", "tp", "killed")}
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +98,13 @@ def decode(tiny_model, tmp_path_factory, prefill):
         yield base, log
 
 
-def start_proxy(prefill_base: str, decode_port: int, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_proxy(prefill_base: str, decode_port: int, log_dir: Path,
+                script: Path = h.REPO_ROOT / "examples" / "pd_proxy.py") -> tuple[subprocess.Popen, str]:
+    """A proxy with vLLM's toy proxy's arguments (ours by default) in front of one P and one D."""
     port = free_port()
-    cmd = [sys.executable, str(h.REPO_ROOT / "examples" / "pd_proxy.py"), "--port", str(port),
-           "--prefiller-ports", prefill_base.rsplit(":", 1)[1], "--decoder-ports", str(decode_port)]
+    cmd = [sys.executable, str(script), "--port", str(port),
+           "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", prefill_base.rsplit(":", 1)[1],
+           "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode_port)]
     log = open(log_dir / f"proxy-{port}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -111,6 +122,22 @@ def start_proxy(prefill_base: str, decode_port: int, log_dir: Path) -> tuple[sub
 @pytest.fixture(scope="module")
 def proxy(prefill, decode, tmp_path_factory):
     proc, base = start_proxy(prefill[0], int(decode[0].rsplit(":", 1)[1]), tmp_path_factory.mktemp("e2e_pdp_x"))
+    yield base
+    proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def toy_proxy(prefill, decode, tmp_path_factory):
+    """vLLM's own toy proxy, unchanged, from the sdist of the installed vLLM (PyPI; CI must reach it)."""
+    try:
+        script = vllm_source_file(TOY_PROXY)
+    except SourceUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM's toy proxy is needed in CI: {exc}")
+        pytest.skip(f"vLLM's toy proxy unavailable here: {exc}")
+    proc, base = start_proxy(prefill[0], int(decode[0].rsplit(":", 1)[1]), tmp_path_factory.mktemp("e2e_pdp_toy"),
+                             script)
     yield base
     proc.kill()
     proc.wait(10)
@@ -208,6 +235,41 @@ def test_eight_concurrent_requests(proxy, prefill, decode, tiny_model):
     assert_no_holds(prefill, tiny_model)
 
 
+def test_vllms_own_toy_proxy_drives_it_unchanged(toy_proxy, prefill, decode, reference, tiny_model):
+    d0 = scrape(decode[0])
+    answer = post(f"{toy_proxy}/v1/completions", body(tiny_model, TOY))
+    h.assert_like_with_like({"tokens": tokens_of(answer), "num_cached_tokens": PROMPT_LEN - 1},
+                            {"tokens": reference["toy"], "num_cached_tokens": PROMPT_LEN - 1}, what="toy proxy")
+    pulled = metric(d0, "pd_pulled_chunks_total") + 3
+    d = nudge_and_scrape(decode[0], tiny_model, lambda m: metric(m, "pd_pulled_chunks_total") >= pulled, 20)
+    assert metric(d, "pd_pulled_chunks_total") == pulled
+    assert peer_hits(d) - peer_hits(d0) == PROMPT_LEN
+    assert metric(d, "pd_pull_failures_total") == metric(d0, "pd_pull_failures_total")
+    assert_no_holds(prefill, tiny_model)
+
+
+def test_chat_completions_through_vllms_toy_proxy(toy_proxy, prefill, decode, tiny_model):
+    """A chat request takes the same path: D pulls the rendered prompt from P. Like with like: the same rendered
+    token ids sent as a completion through the same proxy give the same tokens (D loads the same KV, now from
+    its own L1, where the pull put it, and computes the last token in both)."""
+    messages = [{"role": "user", "content": CHAT_TEXT}]
+    ids = post(f"{decode[0]}/tokenize", {"model": tiny_model, "messages": messages})["tokens"]
+    assert PROMPT_LEN < len(ids) < 2048 - MAX_TOKENS, len(ids)
+    d0 = scrape(decode[0])
+    chat = post(f"{toy_proxy}/v1/chat/completions",
+                {"model": tiny_model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                 "ignore_eos": True})
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    pulled = metric(d0, "pd_pulled_chunks_total") + -(-len(ids) // 256)
+    d = nudge_and_scrape(decode[0], tiny_model, lambda m: metric(m, "pd_pulled_chunks_total") >= pulled, 20)
+    assert metric(d, "pd_pulled_chunks_total") == pulled  # every chunk of the rendered prompt
+    assert peer_hits(d) - peer_hits(d0) == len(ids)
+    assert metric(d, "pd_pull_failures_total") == metric(d0, "pd_pull_failures_total")
+    completion = post(f"{toy_proxy}/v1/completions", body(tiny_model, ids))
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    assert_no_holds(prefill, tiny_model)
+
+
 def test_holds_expire_when_no_decode_instance_pulls(prefill, tiny_model, tmp_path):
     p_base = prefill[0]
     before = scrape(p_base)
@@ -253,7 +315,7 @@ def test_prefill_killed_mid_transfer(prefill, decode, reference, tiny_model):
     answer = post(f"{p_base}/v1/completions", body(tiny_model, KILLED, max_tokens=1,
                                                    kv_transfer_params={"do_remote_decode": True}))
     params = answer["kv_transfer_params"]
-    group = _server_group(p_log)
+    group = h.server_group(p_log)
     os.killpg(group, signal.SIGSTOP)
     result: dict = {}
 
@@ -277,10 +339,3 @@ def test_prefill_killed_mid_transfer(prefill, decode, reference, tiny_model):
     assert metric(d, "failed_load_tokens_total") - metric(d0, "failed_load_tokens_total") == COLD_LEN
     assert metric(d, "prefetch_held_chunks") == 0  # nothing held on D
 
-
-def _server_group(log: str) -> int:
-    """The process group of a `lmcache-vllm serve` (its own session: the API server, engine core, workers),
-    from the API server's pid in its log ("Started server process [N]")."""
-    match = re.search(r"Started server process \[(\d+)\]", Path(log).read_text())
-    assert match, log
-    return os.getpgid(int(match.group(1)))
