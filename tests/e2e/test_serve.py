@@ -105,7 +105,7 @@ BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 def test_our_threads_run_beside_vllms_compute_core(server):
     """vLLM computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0) and reserves the rest: our threads (storage loop,
     disk readers and writers, save thread, lookup server) run there, off the model's core."""
-    workers = h.group_processes(h.server_group(server[1]), "VLLM::Worker")
+    workers = h.group_processes(h.server_group(server[2]), "VLLM::Worker")
     assert len(workers) == 1, workers
     threads = h.thread_cpus(workers[0])
     ours = {name: cpus for name, cpus in threads if name.startswith("lmcache")}
