@@ -71,7 +71,13 @@ def workloads(quick: bool) -> dict[str, list[str]]:
 
 
 def ours(extra: dict, chunk_size: int) -> dict:
-    return dict(CONNECTOR, kv_connector_extra_config={"chunk_size": chunk_size, **extra})
+    """Our connector with `extra`; our background threads on the cores vLLM's compute (bound to core 0 here)
+    leaves free, as a user who binds vLLM explicitly sets it (`extra_config.background_cpus`)."""
+    config = {"chunk_size": chunk_size, **extra}
+    free = sorted(os.sched_getaffinity(0) - {0})
+    if free:
+        config["extra_config"] = {"background_cpus": ",".join(map(str, free)), **config.get("extra_config", {})}
+    return dict(CONNECTOR, kv_connector_extra_config=config)
 
 
 def lmcache_peer(port: int) -> dict:

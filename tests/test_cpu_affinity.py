@@ -84,9 +84,14 @@ async def _current_affinity() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
-def test_background_cpus_setting():
+def test_background_cpus_setting(monkeypatch):
     pytest.importorskip("vllm")
     from lmcache_vllm.integration.vllm.threads import background_cpus_for
 
     assert background_cpus_for(None, "inherit") is None  # type: ignore[arg-type]
     assert background_cpus_for(None, "3,5-6") == {3, 5, 6}  # type: ignore[arg-type]
+    # auto under an explicit binding or none: where vLLM put the process (another instance may compute on
+    # the cores this one leaves out)
+    for binding in ("0", "0|1", "nobind"):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", binding)
+        assert background_cpus_for(None, "auto") is None  # type: ignore[arg-type]

@@ -60,10 +60,12 @@ class ExtraConfig:
                                          "dropped and counted (inference never waits)", check=POSITIVE_INT)
     write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
     background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
-                                           "lookup, transfer): 'auto' = on vLLM's CPU backend the cores vLLM "
-                                           "reserves or leaves to other processes, not its compute cores (GPU "
-                                           "hosts: unchanged); 'inherit' = where vLLM put the process; or a "
-                                           "CPU list such as '2,4-7'", check=_cpu_choice)
+                                           "lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
+                                           "beside its compute cores when it binds them itself "
+                                           "(VLLM_CPU_OMP_THREADS_BIND=auto), else where vLLM put the process; "
+                                           "'inherit' = where vLLM put the process; or a CPU list such as '2,4-7' "
+                                           "(with an explicit binding: cores no vLLM instance computes on)",
+                                   check=_cpu_choice)
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))
     prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "

@@ -37,6 +37,7 @@ from lmcache_vllm.storage.tier import Tier
 logger = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 1.0  # a RELEASE's connect and send; a prefill instance it cannot reach lets its hold expire
+RELEASE_MAX_AGE_S = 30.0  # a RELEASE queued longer (behind unreachable peers) is dropped: the hold expires anyway
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class _Releases:
     expires)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[PeerSource, Optional[ChunkMac]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[PeerSource, Optional[ChunkMac], float]] = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
@@ -67,12 +68,14 @@ class _Releases:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lmcache-pd-release", daemon=True)
                 self._thread.start()
-        self._queue.put((source, mac))
+        self._queue.put((source, mac, time.monotonic()))
 
     def _run(self) -> None:
         enter_background_cpus()
         while True:
-            source, mac = self._queue.get()
+            source, mac, queued = self._queue.get()
+            if time.monotonic() - queued > RELEASE_MAX_AGE_S:
+                continue
             try:
                 with socket.create_connection((source.host, source.port), timeout=RELEASE_TIMEOUT_S) as sock:
                     sock.sendall(b"".join(bytes(p) for p in wire.frame(

@@ -30,6 +30,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
 PROMPT = h.random_tokens(40, 600)
+FREE_CPUS = sorted(os.sched_getaffinity(0) - {0})  # what VLLM_CPU_OMP_THREADS_BIND=0 leaves
 
 
 @contextlib.contextmanager
@@ -58,7 +59,9 @@ def server(tiny_model, tmp_path_factory, disk_dir, redis_server, events_endpoint
     redis_server.ensure_running()
     extra = {"local_disk": str(disk_dir), "max_local_disk_size": 1.0, "remote_url": redis_server.url,
              "enable_kv_events": True,
-             "extra_config": {"remote_key_prefix": "e2e-serve:", "remote_timeout_secs": 0.5}}
+             "extra_config": {"remote_key_prefix": "e2e-serve:", "remote_timeout_secs": 0.5,
+                              # vLLM computes on core 0 (an explicit binding): our threads on the others
+                              "background_cpus": ",".join(map(str, FREE_CPUS)) or "inherit"}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
     with _serve(tmp_path_factory.mktemp("e2e_serve"), tiny_model, extra,
                 ("--kv-events-config", json.dumps(events))) as (base, log):
@@ -101,16 +104,16 @@ HIT = "lmcache_vllm:hit_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.skipif(not FREE_CPUS, reason="needs two CPUs")
 def test_our_threads_run_beside_vllms_compute_core(server):
-    """vLLM computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0) and reserves the rest: our threads (storage loop,
-    disk readers and writers, save thread, lookup server) run there, off the model's core."""
+    """vLLM computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0); `background_cpus` names the rest: our threads
+    (storage loop, disk readers and writers, save thread, lookup server) run there, off the model's core."""
     workers = h.group_processes(h.server_group(server[2]), "VLLM::Worker")
     assert len(workers) == 1, workers
     threads = h.thread_cpus(workers[0])
     ours = {name: cpus for name, cpus in threads if name.startswith("lmcache")}
     assert {"lmcache-storage", "lmcache-lookup-"} <= {name[:15] for name in ours}, threads
-    assert all(cpus == set(os.sched_getaffinity(0)) - {0} for cpus in ours.values()), ours
+    assert all(cpus == set(FREE_CPUS) for cpus in ours.values()), ours
     assert os.sched_getaffinity(workers[0]) == {0}  # the model's own (main) thread stays on its core
 
 

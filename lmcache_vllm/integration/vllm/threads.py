@@ -67,23 +67,24 @@ def _host_cpus() -> set[int]:
 
 def background_cpus_for(vllm_config: "VllmConfig", setting: str) -> frozenset[int] | None:
     """Where this worker's background threads should run (`extra_config.background_cpus`): 'inherit' -> None
-    (where vLLM put the process); a CPU list -> those CPUs; 'auto' -> on vLLM's CPU backend with its threads
-    bound, the CPUs vLLM reserved (VLLM_CPU_OMP_THREADS_BIND=auto) or else the CPUs no local rank computes on
-    (an explicit binding), None when there are none or vLLM binds nothing (GPU hosts, 'nobind')."""
+    (where vLLM put the process); a CPU list -> those CPUs; 'auto' -> the CPUs vLLM's own automatic binding
+    (VLLM_CPU_OMP_THREADS_BIND=auto) reserves for the processes beside its compute ranks, connectors included,
+    computed by vLLM's `OMPProcessManager`; None when vLLM reserves none, binds nothing (GPU hosts, 'nobind')
+    or was bound explicitly. Why not the CPUs an explicit binding leaves out: another vLLM instance on the host
+    (a prefill beside a decode instance) may compute there, and an idle vLLM worker polls its queue on its
+    cores; our threads there starved (a decode instance's pull took 0.6-7 s instead of 20 ms, measured)."""
     if setting == "inherit":
         return None
     if setting != "auto":
         return parse_cpu_list(setting)
     from vllm.platforms import current_platform
-    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "nobind":
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return None
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
-        manager = OMPProcessManager(vllm_config)  # vLLM's own computation of every local rank's CPUs
+        manager = OMPProcessManager(vllm_config)
     except Exception as exc:  # a vLLM without it, or a binding it cannot compute here: stay where we are
         logger.info("background threads stay on the compute CPUs (%s)", exc)
         return None
-    host = _host_cpus()
     compute = {cpu for cpus in manager.cpu_lists for cpu in cpus}
-    free = (set(manager.reserved_cpu_list) & host) if manager.auto_setup else host - compute
-    return frozenset(free - compute) or None
+    return frozenset((set(manager.reserved_cpu_list) & _host_cpus()) - compute) or None
