@@ -155,8 +155,8 @@ STABLE = [
      "Time of one request's pull from one prefill instance's rank, first request to last frame"),
     ("pd_pull_failures", "counter", ('reason',),
      'Pulls from a prefill instance that did not bring every chunk asked for (reason: timeout, '
-     'refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, bad_params, '
-     'role); the rest was recomputed'),
+     'unreachable, refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, '
+     'bad_params, role); the rest was recomputed'),
     ("pd_served_chunks", "counter", (),
      "Chunks a prefill instance's transfer server sent to a decode instance"),
     ("pd_served_bytes", "counter", (),
