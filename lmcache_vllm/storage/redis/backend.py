@@ -94,10 +94,9 @@ class RedisBackend(StorageBackend):
         self.read_batch_keys = extra.remote_read_batch_keys
         # One thread each: decoding and encoding (memmove + xxh3, both without the GIL) overlap the
         # loop's socket I/O instead of stalling it.
-        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-decode",
-                                               initializer=enter_background_cpus)
-        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="lmcache-redis-encode",
-                                               initializer=enter_background_cpus)
+        self._decode_pool, self._encode_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"lmcache-redis-{job}", initializer=enter_background_cpus)
+            for job in ("decode", "encode"))
         settings = ClientSettings.from_extra(extra)
 
         def make_guard(name: str, on_failure: Any = None) -> NodeGuard:
