@@ -37,9 +37,6 @@ _TOKENS = [wire.PROTOCOL, wire.PULL, wire.RELEASE, wire.CHUNK, wire.END, wire.ER
 _frame = st.one_of(st.binary(max_size=64), st.sampled_from(_TOKENS))
 
 
-def _framed(parts: list[bytes]) -> bytes:
-    return b"".join(bytes(p) for p in wire.frame(parts))
-
 
 def key(i: int) -> str:
     return f"m@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}"
@@ -77,8 +74,8 @@ def test_transfer_server_answers_garbage_and_still_serves():
     assert holds.fill("probe-request", [key(i) for i in range(3)], objs)
 
     @examples(300)
-    @given(messages=st.lists(st.one_of(st.lists(_frame, min_size=1, max_size=7).map(_framed), st.binary(max_size=64)),
-                             min_size=1, max_size=4))
+    @given(messages=st.lists(st.one_of(st.lists(_frame, min_size=1, max_size=7).map(wire.frame_bytes),
+                                       st.binary(max_size=64)), min_size=1, max_size=4))
     def send_garbage(messages):
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             try:
@@ -120,20 +117,20 @@ def _damaged(draw, index: int, t: torch.Tensor) -> bytes:
     index, an early END, an ERR, or nothing more (the connection closes)."""
     kind = draw(st.sampled_from(["random", "raw", "bytes", "other_key", "other_index", "end", "err", "close"]))
     if kind == "random":
-        return _framed(draw(st.lists(_frame, min_size=1, max_size=7)))
+        return wire.frame_bytes(draw(st.lists(_frame, min_size=1, max_size=7)))
     if kind == "raw":
         return draw(st.binary(min_size=1, max_size=96))
     if kind == "close":
         return b""
     if kind == "other_key":
-        return _framed(wire.chunk_reply(index, key(index + 1000), t))
+        return wire.frame_bytes(wire.chunk_reply(index, key(index + 1000), t))
     if kind == "other_index":
-        return _framed(wire.chunk_reply(index + draw(st.integers(1, 3)), key(index), t))
+        return wire.frame_bytes(wire.chunk_reply(index + draw(st.integers(1, 3)), key(index), t))
     if kind == "end":
-        return _framed(wire.end_reply(draw(st.integers(0, 2**32 - 1))))
+        return wire.frame_bytes(wire.end_reply(draw(st.integers(0, 2**32 - 1))))
     if kind == "err":
-        return _framed(wire.error_reply(draw(st.sampled_from(list(wire.ERRORS))), "fuzz"))
-    raw = bytearray(_framed(wire.chunk_reply(index, key(index), t)))
+        return wire.frame_bytes(wire.error_reply(draw(st.sampled_from(list(wire.ERRORS))), "fuzz"))
+    raw = bytearray(wire.frame_bytes(wire.chunk_reply(index, key(index), t)))
     start = draw(st.integers(0, len(raw)))
     end = draw(st.integers(start, min(len(raw), start + 64)))
     raw[start:end] = draw(st.binary(max_size=end - start + 4))
@@ -180,12 +177,12 @@ def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
         metrics.RECORDER.reset()
         n_keys = data.draw(st.integers(1, 4))
         good = data.draw(st.integers(0, n_keys))
-        script = [_framed(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good)]
+        script = [wire.frame_bytes(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good)]
         if good < n_keys or data.draw(st.booleans()):
             script.append(_damaged(data.draw, good, tensors[min(good, n_keys - 1)]))
         # Whatever follows the damage (a correct rest, then END) must not be taken any more.
-        script += [_framed(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good + 1, n_keys)]
-        script.append(_framed(wire.end_reply(n_keys)))
+        script += [wire.frame_bytes(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good + 1, n_keys)]
+        script.append(wire.frame_bytes(wire.end_reply(n_keys)))
         got = asyncio.run(_pull_from_scripted_peer(script, n_keys, arena.allocate))
         assert len(got) == n_keys
         n_got = next((i for i, obj in enumerate(got) if obj is None), n_keys)

@@ -267,15 +267,12 @@ def _ask(port: int, payload: bytes) -> list[bytes]:
             return []
 
 
-def _framed(parts: list[bytes]) -> bytes:
-    return b"".join(bytes(p) for p in wire.frame(parts))
-
 
 def test_the_server_survives_garbage_and_answers_it(prefill, make_chunk):
     for garbage in ([b"x"], [b"LMVPD2", b"PULL"], [b"LMVPD2", b"PULL", b"", b"k", b""],
                     [b"LMVPD2", b"PULL", b"r", b"\xff\xfe", b""], [b"LMVPD2", b"NOPE", b"r", b"k", b""],
                     [b"LMVPD1", b"PULL", b"r", b"k", b""]):
-        assert _ask(prefill.server.port, _framed(garbage))[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
+        assert _ask(prefill.server.port, wire.frame_bytes(garbage))[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
     # Not even framed: a part count or a length out of bounds is answered and the connection closed.
     assert _ask(prefill.server.port, b"\xff" * 4)[:3] == [b"LMVPD2", b"ERR", b"bad_request"]
     too_long = struct.pack("<IQ", 1, wire.MAX_REQUEST_BYTES + 1)

@@ -291,11 +291,13 @@ def decode(buf: ChunkBytes, expected_key: Optional[str],
     if the bytes turn out to be corrupt (then `CorruptEntry` propagates)."""
     header = parse_header(buf, expected_key)
     check_size(header, len(buf))
-    return _alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
+    return alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
 
 
-def _alloc_and_fill(header: ChunkHeader, payload: ChunkBytes, alloc: AllocFn,
-                    mac: Optional[ChunkMac]) -> Optional[MemoryObj]:
+def alloc_and_fill(header: ChunkHeader, payload: ChunkBytes, alloc: AllocFn,
+                   mac: Optional[ChunkMac]) -> Optional[MemoryObj]:
+    """A MemoryObj from `alloc` holding `payload`, checked against `header` (None: no memory); released again
+    when the payload is corrupt."""
     obj = alloc(header.shape, header.dtype)
     if obj is None:
         return None

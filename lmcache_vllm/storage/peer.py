@@ -78,8 +78,7 @@ class _Releases:
                 continue
             try:
                 with socket.create_connection((source.host, source.port), timeout=RELEASE_TIMEOUT_S) as sock:
-                    sock.sendall(b"".join(bytes(p) for p in wire.frame(
-                        wire.encode_request(wire.RELEASE, source.req_id, mac=mac))))
+                    sock.sendall(wire.frame_bytes(wire.encode_request(wire.RELEASE, source.req_id, mac=mac)))
             except OSError:
                 pass
 
@@ -101,9 +100,8 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
 
     async def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        data = b"".join(bytes(p) for p in wire.frame(parts))
         async with asyncio.timeout(self.timeout_s):
-            await self.loop.sock_sendall(self.sock, data)
+            await self.loop.sock_sendall(self.sock, wire.frame_bytes(parts))
 
     async def read_into(self, view: memoryview) -> None:
         """Fills `view`; `TimeoutError` after `timeout_s` without a byte (one timer, moved on by each read:

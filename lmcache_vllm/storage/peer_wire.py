@@ -91,6 +91,11 @@ def frame(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
     return [_U32.pack(len(parts)) + lengths, *parts]
 
 
+def frame_bytes(parts: Sequence[bytes | memoryview]) -> bytes:
+    """`frame` joined into one buffer (small messages: requests, and replies in tests)."""
+    return b"".join(bytes(p) for p in frame(parts))
+
+
 def part_count(prefix: bytes | bytearray | memoryview) -> int:
     """The part count of a message from its first `COUNT_BYTES`; `PeerProtocolError` out of bounds."""
     (count,) = _U32.unpack(prefix)
@@ -215,19 +220,11 @@ def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
     into memory. None when `alloc` has no memory; `CorruptEntry` (or `PeerProtocolError`) for anything wrong,
     with nothing left allocated."""
     header = check_chunk(reply, expected_index, expected_key, memoryview(reply.payload).nbytes)
-    obj = alloc(header.shape, header.dtype)
-    if obj is None:
-        return None
-    try:
-        codec.decode_payload_into(reply.payload, header, obj.tensor, mac)
-    except BaseException:
-        obj.ref_down()
-        raise
-    return obj
+    return codec.alloc_and_fill(header, reply.payload, alloc, mac)
 
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
-           "MAX_PARTS", "MAX_SMALL_PART", "COUNT_BYTES", "frame", "part_count", "parse_lengths",
+           "MAX_PARTS", "MAX_SMALL_PART", "COUNT_BYTES", "frame", "frame_bytes", "part_count", "parse_lengths",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "encode_request", "parse_request",
            "verify_request", "chunk_header", "chunk_reply", "end_reply", "error_reply", "parse_reply", "check_chunk",
            "decode_chunk"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -54,7 +55,7 @@ def _host_cpus() -> set[int]:
     """The CPUs this process may run on before any binding: the cgroup's cpuset, else every online CPU."""
     for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
         try:
-            text = open(path).read().strip()
+            text = Path(path).read_text().strip()
         except OSError:
             continue
         if text:
