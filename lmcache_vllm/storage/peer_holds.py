@@ -90,7 +90,6 @@ class PeerHolds:
         self._lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
         self._ended: "OrderedDict[str, HoldState]" = OrderedDict()
-        self._changed = threading.Event()  # a hold was filled (the server serves parked pulls)
         self._unregister = metrics.register_gauges(self._gauges)
 
     def expect(self, req_id: str) -> None:
@@ -118,7 +117,6 @@ class PeerHolds:
                 filled = True
         if not filled:
             release_objs(objs)
-        self._changed.set()
         return filled
 
     def checkout(self, req_id: str, keys: Sequence[str]) -> Checkout:
@@ -172,16 +170,6 @@ class PeerHolds:
                         hold.req_id, self.lease_s, len(hold.objs))
             release_objs(hold.objs)
         return [h.req_id for h in gone]
-
-    def next_deadline(self) -> Optional[float]:
-        with self._lock:
-            return min((h.deadline for h in self._holds.values()), default=None)
-
-    def wait_changed(self, timeout: float) -> bool:
-        """Waits until a hold is filled (or `timeout`); clears the signal."""
-        changed = self._changed.wait(timeout)
-        self._changed.clear()
-        return changed
 
     def __len__(self) -> int:
         with self._lock:
