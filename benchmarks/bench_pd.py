@@ -34,9 +34,9 @@ CHUNK_SHAPE = (8, 2, 256, 256)  # the medium model's stored chunk: 2 MiB of bf16
 _CHILD = r"""
 import socket, sys, threading, time, torch
 from lmcache_vllm.memory import HostAllocator
-from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer
-from lmcache_vllm.storage.peer_wire import chunk_header
+from lmcache_vllm.storage.transfer.holds import PeerHolds
+from lmcache_vllm.storage.transfer.server import TransferServer
+from lmcache_vllm.storage.transfer.wire import chunk_header
 n, holds_count, shape = int(sys.argv[1]), int(sys.argv[2]), tuple(int(x) for x in sys.argv[3].split(","))
 arena = HostAllocator(n * 2 * torch.Size(shape).numel() + (1 << 22))
 objs = []
@@ -74,7 +74,7 @@ def _transfer(num_chunks: int, repeats: int) -> dict:
 
     from lmcache_vllm.config import LMCacheConfig
     from lmcache_vllm.storage.manager import StorageManager
-    from lmcache_vllm.storage.peer import PeerSource, PeerTier
+    from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier
 
     nbytes = num_chunks * torch.Size(CHUNK_SHAPE).numel() * 2
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(num_chunks), str(repeats + 1),

@@ -27,7 +27,7 @@ Scheme (format "tokens/v1" with "extras/v1"; a change of it must change `TOKEN_H
 
 `CacheKey` adds what makes a stored chunk usable: a short model name and the model fingerprint (see
 `integration/vllm/fingerprint.py`), tensor- and pipeline-parallel size and rank, KV dtype, stored-format
-version and, for a model whose layers vLLM splits into several KV cache groups, the group (`kv_groups.py`:
+version and, for a model whose layers vLLM splits into several KV cache groups, the group (`engine/kv_groups.py`:
 which kind of layers, which layers). `to_str()` gives a string safe for file names and Redis keys; a key
 without a group (every single-group model) reads exactly as before groups existed.
 """

@@ -14,19 +14,19 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_grouped_engine import BLOCK, Pool, build, tables_for, token_kv  # noqa: E402
+from test_engine_grouped import BLOCK, Pool, build, tables_for, token_kv  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
+from lmcache_vllm.engine.kv_groups import GroupKind, KVGroup  # noqa: E402
 from lmcache_vllm.integration.vllm.groups import SchedulerGroups  # noqa: E402
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.hybrid_views import HybridCase, fill_random  # noqa: E402
 from lmcache_vllm.integration.vllm.worker import WorkerHalf  # noqa: E402
-from lmcache_vllm.kv_groups import GroupKind, KVGroup  # noqa: E402
 
 FULL = KVGroup(0, GroupKind.FULL, ("l.0", "l.2"), (0, 2), 128)
 SLIDING = KVGroup(1, GroupKind.SLIDING, ("l.1", "l.3"), (1, 3), 128, window=384, sliding_window=384)

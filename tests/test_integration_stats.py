@@ -120,7 +120,7 @@ def test_api_server_import_of_the_connector_is_light():
             "from vllm.config import KVTransferConfig\n"
             "cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector='LMCacheConnector',"
             " kv_connector_module_path='lmcache_vllm.integration.vllm', kv_role='kv_both'))\n"
-            "heavy = [m for m in ('lmcache_vllm.engine', 'lmcache_vllm.storage.manager',"
+            "heavy = [m for m in ('lmcache_vllm.engine.cache_engine', 'lmcache_vllm.storage.manager',"
             " 'lmcache_vllm.storage.base', 'lmcache_vllm.memory', 'lmcache_vllm.layouts') if m in sys.modules]\n"
             "print(cls.__name__, heavy, torch.cuda.is_initialized())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmcache_vllm.kv_groups import GroupKind, KVGroup, layer_part
+from lmcache_vllm.engine.kv_groups import GroupKind, KVGroup, layer_part
 from lmcache_vllm.tokens import CacheKey, ChunkHasher, KeyBuilder
 
 

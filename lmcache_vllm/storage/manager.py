@@ -184,7 +184,7 @@ class StorageManager(LowerTierReads):
     def pin_prefix(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
         """The L1 chunks of the longest prefix of `keys` in L1, each with a reference for the caller (which
         keeps the allocator from evicting it until the caller drops it). No I/O, not counted as a hit: a
-        prefill instance holds what it just stored for its decode instance (`peer_holds.py`)."""
+        prefill instance holds what it just stored for its decode instance (`transfer/holds.py`)."""
         out: list[MemoryObj] = []
         for k in keys:
             obj = self.l1.get_sync(_key_str(k))

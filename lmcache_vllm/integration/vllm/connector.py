@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.engine.grouped import GroupedEngine
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
 
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from lmcache_vllm.engine.kv_groups import GroupKind, GroupSlots, KVGroup
 from lmcache_vllm.integration.vllm.metadata import LoadSpec, SaveSpec
-from lmcache_vllm.kv_groups import GroupKind, GroupSlots, KVGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from lmcache_vllm.config import LMCacheConfig
-    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.engine.grouped import GroupedEngine
     from lmcache_vllm.tokens import KeyBuilder
 
 logger = logging.getLogger(__name__)
@@ -113,10 +113,10 @@ def build_grouped_engine(config: "LMCacheConfig", vllm_config: "VllmConfig", kv_
                          keys: "KeyBuilder") -> "GroupedEngine":
     """The engine of a multi-group model on one worker rank; `keys` are the model's untagged keys."""
     from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.engine.grouped import GroupedEngine
+    from lmcache_vllm.engine.state import StateEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
     from lmcache_vllm.layouts.state import StatePageLayout
-    from lmcache_vllm.state_engine import StateEngine
     from lmcache_vllm.storage.manager import StorageManager
 
     storage = StorageManager(config)

@@ -32,7 +32,7 @@ from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
-    from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
+    from lmcache_vllm.engine.grouped import GroupedEngine, GroupedHold
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class LoadPipeline:
     def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor],
                  layer_index: dict[str, int], *, block_size: int, use_layerwise: bool, timeout_s: float,
                  failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None):
-        from lmcache_vllm.grouped_engine import GroupedEngine
+        from lmcache_vllm.engine.grouped import GroupedEngine
 
         self.engine = engine
         self.grouped = engine if isinstance(engine, GroupedEngine) else None

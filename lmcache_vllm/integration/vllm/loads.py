@@ -28,7 +28,7 @@ from lmcache_vllm.observability import metrics
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
-    from lmcache_vllm.grouped_engine import GroupedEngine, GroupedHold
+    from lmcache_vllm.engine.grouped import GroupedEngine, GroupedHold
     from lmcache_vllm.storage.base import StorageBackend
 
 # A prefill instance of a load (`LoadSpec.peer`) -> the tier that pulls from it (`pd/worker.py`).

@@ -32,7 +32,7 @@ from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:  # built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.engine.grouped import GroupedEngine
     from lmcache_vllm.layouts.streams import SideStream
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class SavePipeline:
 
     def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor], side: SideStream, *,
                  block_size: int, use_layerwise: bool, async_save: bool, durable: bool, timeout_s: float):
-        from lmcache_vllm.grouped_engine import GroupedEngine
+        from lmcache_vllm.engine.grouped import GroupedEngine
 
         self.engine = engine
         self.grouped = engine if isinstance(engine, GroupedEngine) else None

@@ -36,7 +36,7 @@ from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
-    from lmcache_vllm.grouped_engine import GroupedEngine
+    from lmcache_vllm.engine.grouped import GroupedEngine
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class WorkerHalf:
         # vLLM inserts layers in forward order; that order is the stored chunk's layer order.
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.kv_caches = list(kv_caches.values())
-        from lmcache_vllm.grouped_engine import GroupedEngine  # noqa: F811 (the runtime import of the type)
+        from lmcache_vllm.engine.grouped import GroupedEngine  # noqa: F811 (the runtime import of the type)
         from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
 
         engine = self.engine = self._engine_factory(kv_caches)

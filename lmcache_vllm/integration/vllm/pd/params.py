@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lmcache_vllm.storage.peer_wire import PROTOCOL_VERSION
+from lmcache_vllm.storage.transfer.wire import PROTOCOL_VERSION
 
 PARAMS_KEY = "lmcache_vllm"
 _MAX_PORTS = 256

@@ -21,10 +21,10 @@ from lmcache_vllm.integration.vllm.pd.params import bind_host
 from lmcache_vllm.integration.vllm.saves import SaveQueue
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.codec import ChunkMac
-from lmcache_vllm.storage.peer import PeerSource, PeerTier, send_release
-from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer
-from lmcache_vllm.storage.peer_wire import chunk_header
+from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier, send_release
+from lmcache_vllm.storage.transfer.holds import PeerHolds
+from lmcache_vllm.storage.transfer.server import TransferServer
+from lmcache_vllm.storage.transfer.wire import chunk_header
 
 if TYPE_CHECKING:
     from lmcache_vllm.engine import CacheEngine

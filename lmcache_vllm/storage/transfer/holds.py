@@ -6,7 +6,7 @@ so the allocator cannot evict them. It ends on the decode instance's RELEASE (`r
 was aborted (`release` too), or `lease_s` after it was registered (`expire`): memory is never held for a
 decode instance that never comes.
 
-The transfer server (`peer_server.py`) sends held chunks straight from the arena. It takes its own reference
+The transfer server (`server.py`) sends held chunks straight from the arena. It takes its own reference
 on the chunks it sends (`checkout`) and hands them back once its sends returned (`sent`: every byte is in
 the kernel's buffers by then, or the send failed), so a hold can end at any time, also while its chunks are
 being sent; a peer that stops reading is dropped after the server's I/O timeout.

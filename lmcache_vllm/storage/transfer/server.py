@@ -3,7 +3,7 @@
 One per worker rank: a TCP listener on its own daemon thread, bound to `host` (an address or a name; "*" or
 "0.0.0.0": every interface) and `port` (0: one the OS picks; `port` tells which); each connection a decode
 instance opens is served by a thread of its own (at most `max_connections` at once; more are closed at once).
-It answers the requests of `peer_wire` from the holds of `peer_holds.PeerHolds`:
+It answers the requests of `wire` from the holds of `holds.PeerHolds`:
 
 - PULL(request, keys): the held chunks of the longest prefix of `keys`, one CHUNK message each (the payload
   sent from the L1 arena without a copy in user space), then END. A request whose saves are not over yet
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac
-from lmcache_vllm.storage.peer_holds import HoldState, PeerHolds
+from lmcache_vllm.storage.transfer import wire
+from lmcache_vllm.storage.transfer.holds import HoldState, PeerHolds
 
 if TYPE_CHECKING:
     from lmcache_vllm.memory import MemoryObj

@@ -1,4 +1,4 @@
-"""The disaggregated-prefill wire format (`storage/peer_wire.py`): requests round-trip and carry their MAC;
+"""The disaggregated-prefill wire format (`storage/transfer/wire.py`): requests round-trip and carry their MAC;
 whatever bytes arrive as a reply — random frames, a valid chunk truncated or with a flipped byte, another
 key — decode to a verified chunk or raise one of the two errors the reader counts as a miss, and leave
 nothing allocated."""
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_vllm.memory import HostAllocator
-from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
+from lmcache_vllm.storage.transfer import wire
 
 KEY = "m@-@tp1.0@pp1.0@bfloat16@v2@" + "ab" * 16
 SHAPE = (2, 2, 16, 64)

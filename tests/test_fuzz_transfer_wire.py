@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import metrics
-from lmcache_vllm.storage import peer_wire as wire
-from lmcache_vllm.storage.peer import PeerSource, PeerTier
-from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer, recv_request
+from lmcache_vllm.storage.transfer import wire
+from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier
+from lmcache_vllm.storage.transfer.holds import PeerHolds
+from lmcache_vllm.storage.transfer.server import TransferServer, recv_request
 
 pytestmark = pytest.mark.fuzz
 

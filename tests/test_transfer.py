@@ -21,12 +21,12 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.integration.vllm.testing.openai_server import free_port
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import metrics
-from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.manager import StorageManager
-from lmcache_vllm.storage.peer import PeerSource, PeerTier, send_release
-from lmcache_vllm.storage.peer_holds import PeerHolds
-from lmcache_vllm.storage.peer_server import TransferServer, recv_request
+from lmcache_vllm.storage.transfer import wire
+from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier, send_release
+from lmcache_vllm.storage.transfer.holds import PeerHolds
+from lmcache_vllm.storage.transfer.server import TransferServer, recv_request
 
 CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
 MiB = 1 << 20
@@ -293,8 +293,8 @@ def test_release_ends_a_hold_nobody_pulled(prefill, make_chunk):
 _CHILD = textwrap.dedent("""
     import sys, time, torch
     from lmcache_vllm.memory import HostAllocator
-    from lmcache_vllm.storage.peer_holds import PeerHolds
-    from lmcache_vllm.storage.peer_server import TransferServer
+    from lmcache_vllm.storage.transfer.holds import PeerHolds
+    from lmcache_vllm.storage.transfer.server import TransferServer
     n, shape = int(sys.argv[1]), (8, 2, 256, 512)  # 8 MiB of bf16 per chunk
     arena = HostAllocator(n * 8 * (1 << 20) + (1 << 20))
     holds = PeerHolds(60.0)

@@ -10,7 +10,7 @@ A model whose layers are of several kinds has one KV cache group per kind in vLL
 - `state` (Mamba, linear attention) keeps one recurrent state per prefix boundary, in the block at index
   `n / block_size - 1`. A hit of n needs the state at n: n must be a boundary a state was stored at.
 
-`GroupSlots` is one group's part of a load or save (`grouped_engine.py` moves it).
+`GroupSlots` is one group's part of a load or save (`grouped.py` moves it).
 
 `KVGroup.tag` names a group in its chunks' keys (`tokens.CacheKey.group`): the kind, the window and the
 model's layer indices, e.g. `full.l0.2`, `swa384.l1.3`, `state.l0.2`. A model with a single group uses no

@@ -133,7 +133,7 @@ class CacheEngine:
         self.layout = layout
         self.keys = key_builder
         # One group of a multi-group model counts its tokens per group; the model's totals are counted once
-        # by whoever drives the groups (`grouped_engine.py`).
+        # by whoever drives the groups (`grouped.py`).
         self._group = key_builder.template.group
         self._owns_storage = storage is None
         self.storage = storage if storage is not None else StorageManager(config)
@@ -239,7 +239,7 @@ class CacheEngine:
         """Phase one of a load: finds the chunks of `tokens` from the one holding token `start` on (the
         caller has the tokens before it) and holds them for the load (see `HeldPrefix`); reads from
         lower tiers into L1 start at once. Never waits on a lower tier: `located()` says when they
-        answered. `peer`: a prefill instance holding this request's chunks (`storage/peer.py`), read
+        answered. `peer`: a prefill instance holding this request's chunks (`storage/transfer/client.py`), read
         before the lower tiers; its partial last chunk is asked for too."""
         cs = self.keys.chunk_size
         first = max(0, start) // cs

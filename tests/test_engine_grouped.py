@@ -1,4 +1,4 @@
-"""The KV cache groups of a hybrid model over one storage (`grouped_engine.py`, `integration/vllm/groups.py`),
+"""The KV cache groups of a hybrid model over one storage (`engine/grouped.py`, `integration/vllm/groups.py`),
 on KV caches built by vLLM's own code (`testing/hybrid_views.py`: layers of different groups share bytes,
 block 0 is vLLM's null block): round trips per group, the hit every group can serve, a missing sliding
 chunk or state shortening it, and never a chunk of one group read as another's."""
@@ -13,10 +13,10 @@ import torch
 pytest.importorskip("vllm")
 
 from lmcache_vllm.config import load_config  # noqa: E402
+from lmcache_vllm.engine.kv_groups import GroupKind  # noqa: E402
 from lmcache_vllm.integration.vllm.groups import build_grouped_engine, load_parts, plan_groups, save_parts  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LoadSpec, SaveSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.hybrid_views import HybridCase, fill_random, vllm_hybrid_cache  # noqa: E402
-from lmcache_vllm.kv_groups import GroupKind  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 from lmcache_vllm.tokens import ChunkHasher, KeyBuilder  # noqa: E402
 

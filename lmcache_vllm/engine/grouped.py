@@ -23,11 +23,11 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.engine import CacheEngine, HeldPrefix, PrefixHit
+from lmcache_vllm.engine.cache_engine import CacheEngine, HeldPrefix, PrefixHit
+from lmcache_vllm.engine.kv_groups import GroupKind, GroupSlots, KVGroup
+from lmcache_vllm.engine.state import StateEngine
 from lmcache_vllm.extra_keys import ExtraKeys
-from lmcache_vllm.kv_groups import GroupKind, GroupSlots, KVGroup
 from lmcache_vllm.observability import metrics
-from lmcache_vllm.state_engine import StateEngine
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.tier import TIER_NAMES
 from lmcache_vllm.tokens import KeyBuilder, TokenIds

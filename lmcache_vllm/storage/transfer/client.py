@@ -3,7 +3,7 @@
 Built per request from the prefill instance's address (`PeerSource`, from the request's kv_transfer_params) and
 handed to `StorageManager.prefetch(keys, peer=...)`, which asks it before the disk and Redis tiers: it claims
 every key (the prefill instance said it holds the prompt; asking first would cost a round trip) and `get_many`
-pulls them in one PULL (`peer_wire`) on a TCP connection of its own, on the storage manager's event loop. Each
+pulls them in one PULL (`wire`) on a TCP connection of its own, on the storage manager's event loop. Each
 chunk's header is checked first — our codec's header with the key *this* instance computed, shape against
 length — then its payload is received straight into memory from the caller's allocator (no copy in user
 space) and checked like a disk file or a Redis value (checksum, the MAC when a secret is set). What the prefill
@@ -28,11 +28,11 @@ from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage import codec
-from lmcache_vllm.storage import peer_wire as wire
 from lmcache_vllm.storage.base import StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
-from lmcache_vllm.storage.peer_server import tune
 from lmcache_vllm.storage.tier import Tier
+from lmcache_vllm.storage.transfer import wire
+from lmcache_vllm.storage.transfer.server import tune
 
 logger = logging.getLogger(__name__)
 
