@@ -96,7 +96,7 @@ def test_a_32_mib_message_before_authentication_grows_the_server_by_less_than_16
             sock.sendall(wire.frame_bytes(wire.encode_request(wire.PULL, "warm", [key(0)])))
             assert read_reply(sock)[2] == b"unknown"
         before = _peak_rss(child.pid)
-        body = 32 * MiB
+        body = 32 * MiB - 64  # a 32 MiB message
         # As one part of five (what a transfer server of protocol 2 took), and as the keys of a request.
         _send_all(port, struct.pack("<I5Q", 5, 6, 4, 1, body, 0), body)
         _send_all(port, struct.pack("<I6Q", 6, 6, 4, 1, 2, body, 0), body)
@@ -127,18 +127,27 @@ def test_a_request_is_refused_at_its_prefix_when_a_part_breaks_its_bound(prefill
 # ---------------------------------------------------------------- slots and deadlines
 def test_idle_and_trickling_peers_are_dropped_at_the_request_deadline(make_chunk):
     side = Prefill(request_timeout_s=0.5)
+    stop = threading.Event()
     try:
         idle, trickle = connect(side.server.port), connect(side.server.port)
         request = wire.frame_bytes(wire.encode_request(wire.PULL, "r", [key(0)]))
+
+        def send_slowly() -> None:  # a byte every 0.1 s for 4 s: each recv gets one, the request never ends
+            for byte in request[:40]:
+                if stop.wait(0.1):
+                    return
+                try:
+                    trickle.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=send_slowly)
+        sender.start()
         t0 = time.monotonic()
-        for byte in request[:12]:  # a byte every 0.1 s: each recv has one, the request never ends
-            try:
-                trickle.sendall(bytes([byte]))
-            except OSError:
-                break
-            time.sleep(0.1)
         assert closed_by_peer(idle, 2) and closed_by_peer(trickle, 2)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 2
+        stop.set()
+        sender.join()
         assert metrics.value("pd_server_refusals", reason="idle") == 1
         assert metrics.value("pd_server_refusals", reason="timeout") == 1
         idle.close()
@@ -149,6 +158,7 @@ def test_idle_and_trickling_peers_are_dropped_at_the_request_deadline(make_chunk
         with StorageManager(d_config()) as mgr:
             assert_chunks(pull(mgr, keys, side.source("r")), tensors)
     finally:
+        stop.set()
         side.close()
 
 
