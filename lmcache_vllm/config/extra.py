@@ -150,9 +150,10 @@ class ExtraConfig:
                                                  "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
                                                  "variable (vLLM logs kv_connector_extra_config)")
     require_chunk_mac: bool = setting(False, "refuse to start when a tier others can write (remote_url; a "
-                                             "local_disk with local_disk_shared) would store chunks without a "
-                                             "MAC key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: "
-                                             "start with one warning (see docs/SECURITY.md)")
+                                             "local_disk with local_disk_shared) would store chunks, or a "
+                                             "prefill instance would serve its KV transfer port, without a MAC "
+                                             "key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: start "
+                                             "with one warning (see docs/SECURITY.md)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 
