@@ -295,6 +295,21 @@ def test_every_request_without_the_mac_is_refused_and_changes_nothing(make_chunk
         side.close()
 
 
+def test_request_ids_from_the_network_are_logged_escaped(caplog):
+    side = Prefill(mac=ChunkMac("secret"))
+    forged = "r1\r\n2026-01-01 00:00:00 INFO lmcache_vllm: hold released\x1b[2J"
+    try:
+        with caplog.at_level("WARNING"):
+            with connect(side.server.port) as sock:
+                sock.sendall(wire.frame_bytes(wire.encode_request(wire.PULL, forged, [key(0)], ChunkMac("other"))))
+                assert read_reply(sock)[2] == b"auth"
+        (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
+        text = record.getMessage()
+        assert "r1\\r\\n2026" in text and "\n" not in text and "\r" not in text and "\x1b" not in text
+    finally:
+        side.close()
+
+
 def test_a_hold_over_the_cap_is_refused_and_its_pull_answered_at_once(make_chunk, caplog):
     tensors = [make_chunk(i, CHUNK) for i in range(2)]
     side = Prefill(max_held_bytes=tensors[0].numel() * 2, grace_s=2.0)  # one chunk's bytes
