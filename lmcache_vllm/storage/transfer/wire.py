@@ -31,9 +31,9 @@ Replies to a PULL (P -> D, on the same connection), in this order:
     [PROTOCOL, b"END",   count u32 LE]                          no more chunks: `count` were sent
     [PROTOCOL, b"ERR",   code (ASCII), detail (UTF-8)]           none (more) will come; see `ERRORS`
 
-An ERR's detail says what the asker can act on and nothing of other requests (no held key: a key
-mismatch names the fields of the scope that differ, `key_mismatch`).
-P sends the longest prefix of the asked keys it holds, then END; what it does not hold D recomputes.
+P sends the longest prefix of the asked keys it holds, then END; what it does not hold D recomputes. An
+ERR's detail says what the asker can act on and nothing of other requests (no held key: a key mismatch
+names the fields of the scope that differ, `key_mismatch`).
 """
 from __future__ import annotations
 
