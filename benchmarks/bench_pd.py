@@ -36,7 +36,6 @@ import socket, sys, threading, time, torch
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.transfer.holds import PeerHolds
 from lmcache_vllm.storage.transfer.server import TransferServer
-from lmcache_vllm.storage.transfer.wire import chunk_header
 n, holds_count, shape = int(sys.argv[1]), int(sys.argv[2]), tuple(int(x) for x in sys.argv[3].split(","))
 arena = HostAllocator(n * 2 * torch.Size(shape).numel() + (1 << 22))
 objs = []
@@ -46,12 +45,11 @@ for i in range(n):
     objs.append(obj)
 keys = [f"bench@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}" for i in range(n)]
 holds = PeerHolds(3600.0)
-headers = [chunk_header(k, o.tensor) for k, o in zip(keys, objs)]  # as a prefill instance fills its holds
 for h in range(holds_count):
     for obj in objs:
         obj.ref_up()
     holds.expect(f"req-{h}")
-    holds.fill(f"req-{h}", keys, objs, headers)
+    holds.fill(f"req-{h}", keys, objs)  # makes the wire headers, as a prefill instance fills its holds
 server = TransferServer(holds, host="127.0.0.1", port=0)
 raw = socket.socket()
 raw.bind(("127.0.0.1", 0))

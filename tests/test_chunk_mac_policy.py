@@ -83,3 +83,23 @@ def test_require_chunk_mac_refuses_to_start(tmp_path, redis_server, redis_prefix
     with pytest.raises(ConfigError, match="require_chunk_mac") as refused:
         StorageManager(cfg)
     assert MAC_KEY_ENV in str(refused.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
+def test_require_chunk_mac_covers_a_prefill_instances_transfer_port(monkeypatch, caplog, host):
+    """A role that serves a KV transfer port, without a MAC key: anyone who reaches the port pulls a request's
+    KV by its id. `require_chunk_mac` refuses to start; without it, a port beyond loopback gets the warning."""
+    from lmcache_vllm.storage.registry import check_chunk_mac
+
+    monkeypatch.delenv(MAC_KEY_ENV, raising=False)
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(ConfigError, match="require_chunk_mac") as refused:
+        check_chunk_mac(config(extra={"require_chunk_mac": True}), None, transfer_host=host)
+    assert "transfer port" in str(refused.value) and MAC_KEY_ENV in str(refused.value)
+    check_chunk_mac(config(extra={"require_chunk_mac": True}), codec.ChunkMac("s"), transfer_host=host)  # a key
+    check_chunk_mac(config(), None, transfer_host=host)
+    warnings = mac_warnings(caplog)
+    if host == "0.0.0.0":
+        assert len(warnings) == 1 and "transfer port" in warnings[0] and "require_chunk_mac" in warnings[0]
+    else:
+        assert warnings == []  # loopback only, the default: no warning

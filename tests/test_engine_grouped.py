@@ -164,6 +164,26 @@ def test_a_missing_sliding_chunk_in_the_window_shortens_the_hit_one_outside_does
         engine.close()
 
 
+def test_a_released_hold_takes_no_new_prefetch_holds():
+    """A lookup released (its request ended) before its hit was asked for: asking then must not start the
+    other groups' prefetches, whose chunks nobody would ever release."""
+    case = HybridCase(kind="sliding", window=40)
+    engine, views, groups = build(case)
+    try:
+        fill_random(views, seed=6)
+        tokens = tokens_of(256, seed=7)
+        save(engine, groups, tokens, tables_for(groups, 256, Pool()))
+        hold = engine.lookup_and_hold(tokens, 0)
+        hold.release()
+        assert engine.storage._holds.num_held() == 0
+        hit = hold.located(1.0)
+        assert engine.storage._holds.num_held() == 0 and metrics.value("prefetch_held_chunks") == 0
+        assert hit is not None and hit.end == 0  # nothing is held for it any more
+        hold.release()
+    finally:
+        engine.close()
+
+
 def test_a_lookup_from_vllms_own_hit_needs_only_chunks_after_it():
     case = HybridCase(kind="sliding", window=40)
     engine, views, groups = build(case)

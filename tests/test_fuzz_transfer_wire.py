@@ -1,8 +1,9 @@
 """Fuzz tests (`pytest -m fuzz`) of the disaggregated-prefill transfer, over real TCP sockets, both ends:
 
-- the prefill side: whatever reaches a transfer server — framed messages of random parts or raw bytes — it
-  answers with well-formed replies (or nothing), stays up, and still serves a real pull afterwards with its
-  hold untouched;
+- the prefill side: whatever reaches a transfer server — framed messages of random parts, valid requests
+  damaged anywhere, raw bytes — ends in an answer of the protocol or a counted refusal (`probe`: exactly when
+  the bytes call for one), the connection closed, no slot or buffered byte left taken; the server stays up
+  and still serves a real pull afterwards with its hold untouched, and every chunk goes back to its arena;
 - the decode side: whatever a prefill instance sends back to a PULL — valid chunks, then random messages or
   raw bytes, a damaged or truncated chunk, another key or index, an early END or an ERR, a closed connection
   — `PeerTier.get_many` returns a prefix of verified, bit-exact chunks, counts a pull failure when it is
@@ -20,20 +21,21 @@ import torch
 from fuzzing import bounded_run, examples
 from hypothesis import given
 from hypothesis import strategies as st
+from test_transfer_server import probe
 
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import metrics
 from lmcache_vllm.storage.transfer import wire
 from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier
 from lmcache_vllm.storage.transfer.holds import PeerHolds
-from lmcache_vllm.storage.transfer.server import TransferServer, recv_request
+from lmcache_vllm.storage.transfer.server import TransferServer
 
 pytestmark = pytest.mark.fuzz
 
 SHAPE = (2, 2, 8, 16)
 FAILURE_REASONS = ("timeout", "unreachable", "refused", "missing", "corrupt", "no_memory")
 _TOKENS = [wire.PROTOCOL, wire.PULL, wire.RELEASE, wire.CHUNK, wire.END, wire.ERR, b"", b"\x00\x00\x00\x00",
-           b"\x01\x00\x00\x00", b"\xff" * 4, b"probe"]
+           b"\x01\x00\x00\x00", b"\xff" * 4, b"probe", b"m@", b"\x01k", b"\x20" + b"ab" * 16]
 _frame = st.one_of(st.binary(max_size=64), st.sampled_from(_TOKENS))
 
 
@@ -60,10 +62,29 @@ def test_request_parser_takes_any_frames(frames):
     assert request.op in (wire.PULL, wire.RELEASE) and request.req_id
 
 
-def test_transfer_server_answers_garbage_and_still_serves():
+@st.composite
+def _request(draw) -> bytes:
+    """A valid request, then perhaps damaged: cut, a byte range replaced, or more bytes after it."""
+    op = draw(st.sampled_from([wire.PULL, wire.RELEASE]))
+    n = draw(st.integers(1, 4))
+    keys = [key(i) for i in range(n)] if op == wire.PULL else []
+    raw = bytearray(wire.frame_bytes(wire.encode_request(op, draw(st.sampled_from(["nobody", "x" * 300])), keys)))
+    how = draw(st.sampled_from(["as is", "cut", "replace", "append"]))
+    if how == "cut":
+        del raw[draw(st.integers(0, len(raw) - 1)):]
+    elif how == "replace":
+        start = draw(st.integers(0, len(raw) - 1))
+        end = draw(st.integers(start, min(len(raw), start + 16)))
+        raw[start:end] = draw(st.binary(max_size=end - start + 4))
+    elif how == "append":
+        raw += draw(st.binary(min_size=1, max_size=32))
+    return bytes(raw)
+
+
+def test_transfer_server_answers_any_bytes_or_counts_a_refusal_and_still_serves():
     arena = HostAllocator(1 << 22)
     holds = PeerHolds(60.0)
-    server = TransferServer(holds, host="127.0.0.1", port=0, unknown_grace_s=0.05)
+    server = TransferServer(holds, host="127.0.0.1", port=0, unknown_grace_s=0.02)
     tensors = [tensor(i) for i in range(3)]
     objs = []
     for t in tensors:
@@ -75,24 +96,15 @@ def test_transfer_server_answers_garbage_and_still_serves():
 
     @examples(300)
     @given(messages=st.lists(st.one_of(st.lists(_frame, min_size=1, max_size=7).map(wire.frame_bytes),
-                                       st.binary(max_size=64)), min_size=1, max_size=4))
+                                       _request(), st.binary(max_size=64)), min_size=1, max_size=4))
     def send_garbage(messages):
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-            try:
-                sock.sendall(b"".join(messages))
-            except OSError:
-                return  # the server closed the connection on an earlier message: fine
-            sock.settimeout(0.02)
-            try:
-                while True:  # what it answers is a reply of the protocol
-                    wire.parse_reply(recv_request(sock))
-            except (OSError, ConnectionError):
-                pass
+        probe(server.port, b"".join(messages))
 
     try:
         with bounded_run():
             send_garbage()
         assert len(holds) == 1, "garbage ended the real hold"
+        assert server._buffered == 0, "bytes of requests being read stayed reserved"
         # The server still serves the real request, bit-exact.
         got_arena = HostAllocator(1 << 22)
         try:

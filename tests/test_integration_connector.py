@@ -134,3 +134,19 @@ def test_vllm_033_hooks():
         connector.restore_kv_caches()
     finally:
         connector.shutdown()
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_consumer"])
+def test_require_chunk_mac_refuses_a_worker_that_would_serve_its_transfer_port_unsigned(role, monkeypatch):
+    from lmcache_vllm.config import ConfigError
+    from lmcache_vllm.storage.registry import MAC_KEY_ENV
+
+    monkeypatch.delenv(MAC_KEY_ENV, raising=False)
+    vllm_config = vllm_setup("LBNHC", {"extra_config": {"require_chunk_mac": True}})
+    vllm_config.kv_transfer_config.kv_role = role
+    kv_cache_config, _ = allocate(vllm_config, SPECS["flash"](), "LBNHC")
+    if role == "kv_consumer":  # pulls, serves no port: starts
+        LMCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config).shutdown()
+        return
+    with pytest.raises(ConfigError, match="transfer port"):
+        LMCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)

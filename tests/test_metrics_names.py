@@ -166,6 +166,14 @@ STABLE = [
      "request's abort)"),
     ("pd_holds_expired", "counter", (),
      'Holds ended because no decode instance released them within extra_config.pd_hold_secs'),
+    ("pd_holds_refused", "counter", (),
+     "Requests a prefill instance did not hold because the bytes held for decode instances were at "
+     "extra_config.pd_max_held_bytes: their pull is answered ERR full and the decode instance recomputes"),
+    ("pd_server_refusals", "counter", ("reason",),
+     "Requests or connections a prefill instance's transfer server refused or cut off (reason: bad_request, "
+     "auth, busy: every slot serving a pull; evicted: closed to make room; idle, timeout: no whole request in "
+     "time; incomplete: the peer closed mid-request; lease: a send cut off at the hold's lease end; stalled: "
+     "a peer that read nothing for its I/O timeout)"),
     ("pd_prefill_requests", "counter", (),
      'Requests a prefill instance answered with kv_transfer_params for a decode instance'),
     ("used_bytes", "gauge", ('tier',),
@@ -191,6 +199,8 @@ STABLE = [
      '(or the hold expires)'),
     ("pd_held_bytes", "gauge", (),
      'Bytes of L1 chunks held for decode instances'),
+    ("pd_server_connections", "gauge", (),
+     "Connections open to a prefill instance's transfer servers"),
 ]
 
 

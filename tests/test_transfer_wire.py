@@ -4,6 +4,8 @@ key — decode to a verified chunk or raise one of the two errors the reader cou
 nothing allocated."""
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -38,22 +40,92 @@ def decode(frames, arena, mac=None, key=KEY):
 
 def test_requests_round_trip_with_their_mac():
     mac = ChunkMac("s")
-    frames = wire.encode_request(wire.PULL, "req-1", [KEY, KEY + "x"], mac)
+    key2 = KEY[:-2] + "cd"
+    frames = wire.encode_request(wire.PULL, "req-1", [KEY, key2], mac)
+    assert frames[3] == KEY[:KEY.rfind("@") + 1].encode()
+    assert frames[4] == bytes([32]) + b"ab" * 16 + key2[-32:].encode()  # the width, then the digests
     request = wire.parse_request(frames)
-    assert (request.op, request.req_id, request.keys) == (wire.PULL, "req-1", (KEY, KEY + "x"))
+    assert (request.op, request.req_id, request.keys, request.key_count) == (wire.PULL, "req-1", (KEY, key2), 2)
     assert wire.verify_request(request, mac)
     assert not wire.verify_request(request, ChunkMac("other"))
     release = wire.parse_request(wire.encode_request(wire.RELEASE, "req-1"))
     assert release.keys == () and wire.verify_request(release, None) and not wire.verify_request(release, mac)
 
 
+def test_the_request_mac_covers_each_part_with_its_length():
+    """Parts joined with a separator sign the same bytes for requests that split them differently: a MAC made
+    for one request id and keys would verify another. Each part is signed with its length."""
+    mac = ChunkMac("s")
+    one = wire.parse_request(wire.encode_request(wire.PULL, "a|b", ["c@d"], mac))
+    other = wire.parse_request(wire.encode_request(wire.PULL, "a", ["b|c@d"], mac))
+    swapped = wire.PeerRequest(other.op, other.req_id, other.scope, other.suffixes, one.auth)
+    assert not wire.verify_request(swapped, mac)
+    moved = wire.PeerRequest(one.op, one.req_id + "@", "", one.suffixes, one.auth)  # the scope into the id
+    assert not wire.verify_request(moved, mac)
+
+
+@pytest.mark.parametrize("keys", [[KEY, KEY + "x"], [KEY, "n" + KEY], [KEY[:-1] + "/"], ["m@" + "a" * 65], []])
+def test_keys_a_pull_cannot_carry_are_refused_when_encoded(keys):
+    """A PULL's keys share their scope and their suffixes' width (one request's keys always do)."""
+    with pytest.raises(wire.PeerProtocolError):
+        if not keys:
+            raise wire.PeerProtocolError("a PULL without keys")  # encoded fine, refused when parsed
+        wire.encode_request(wire.PULL, "r", keys)
+    if not keys:
+        with pytest.raises(wire.PeerProtocolError):
+            wire.parse_request(wire.encode_request(wire.PULL, "r", keys))
+
+
+V3 = wire.PROTOCOL
+
+
 @pytest.mark.parametrize("frames", [
-    [], [b"LMVPD2"], [b"LMVPD1", b"PULL", b"r", b"k", b""], [b"LMVPD2", b"PULL", b"r", b"", b""],
-    [b"LMVPD2", b"PULL", b"", b"k", b""], [b"LMVPD2", b"PULL", b"r" * 2000, b"k", b""],
-    [b"LMVPD2", b"PULL", b"r", b"a\n\nb", b""], [b"LMVPD2", b"PULL", b"\xc3", b"k", b""]])
+    [], [V3], [b"LMVPD2", b"PULL", b"r", b"k", b""], [b"LMVPD2", b"PULL", b"r", b"m@", b"\x01k", b""],
+    [V3, b"PULL", b"r", b"m@", b"", b""], [V3, b"PULL", b"", b"m@", b"\x01k", b""],
+    [V3, b"PULL", b"r" * 2000, b"m@", b"\x01k", b""], [V3, b"PULL", b"\xc3", b"m@", b"\x01k", b""],
+    [V3, b"PULL", b"r", b"m", b"\x01k", b""], [V3, b"PULL", b"r", b"m@", b"\x02abc", b""],
+    [V3, b"PULL", b"r", b"m@", b"\x00", b""], [V3, b"PULL", b"r", b"m@", b"\x01@", b""],
+    [V3, b"PULL", b"r", b"m@", b"\x01\n", b""], [V3, b"PULL", b"r", b"m@", bytes([65]) + b"a" * 65, b""],
+    [V3, b"PULL", b"r", b"m@", b"\x01" + b"a" * (wire.MAX_KEYS + 1), b""], [V3, b"RELEASE", b"r", b"m@", b"", b""],
+    [V3, b"NOPE", b"r", b"m@", b"\x01k", b""], [V3, b"PULL", b"r", b"m@", b"\x01k", b"a" * 65]])
 def test_malformed_requests_are_refused(frames):
     with pytest.raises(wire.PeerProtocolError):
         wire.parse_request(frames)
+
+
+def test_a_request_is_bounded_part_by_part_before_its_bytes_are_kept():
+    assert wire.MAX_REQUEST_BYTES < 5 << 20  # the largest PULL: MAX_KEYS keys of 64-character digests
+    for i, bound in enumerate(wire.REQUEST_BOUNDS):
+        lengths = [0] * wire.REQUEST_PARTS
+        lengths[i] = bound + 1
+        reader = wire.RequestReader()
+        with pytest.raises(wire.PeerProtocolError, match=f"part {i}"):
+            reader.feed(struct.pack("<I6Q", 6, *lengths))
+        assert reader.declared == 0  # nothing was taken for the parts
+    reader = wire.RequestReader()
+    with pytest.raises(wire.PeerProtocolError, match="5 parts"):
+        reader.feed(struct.pack("<I", 5))  # refused before its lengths arrive
+    # A valid request fed a byte at a time: never more is wanted than the message has left.
+    frames = wire.encode_request(wire.PULL, "r", [KEY], ChunkMac("s"))
+    data, reader, parts = wire.frame_bytes(frames), wire.RequestReader(), None
+    for i in range(len(data)):
+        assert parts is None and reader.want() >= 1
+        parts = reader.feed(data[i:i + 1])
+    assert parts == frames and reader.declared == sum(len(f) for f in frames)
+    with pytest.raises(ValueError):
+        reader.feed(b"x")
+
+
+def test_a_key_mismatch_names_what_differs_never_a_key():
+    held = "llama@ab12@tp1.0@pp1.0@bfloat16@v2@" + "cd" * 16
+    for asked, says in [(held.replace("tp1.0", "tp2.1"), "differ in: TP size or rank"),
+                        (held.replace("ab12", "ef34").replace("llama", "qwen"), "differ in: model, model fingerprint"),
+                        (held[:-2] + "00", "other prefix digests"),
+                        (held.replace("@v2@", "@v2@g-attn.0@"), "another form")]:
+        text = wire.key_mismatch(held, asked)
+        assert says in text
+        for secret_part in ("cd" * 16, "ab12", "llama", "tp1.0"):
+            assert secret_part not in text
 
 
 def test_a_valid_chunk_decodes_bit_exact(arena, make_chunk):

@@ -122,6 +122,12 @@ class ExtraConfig:
                               "picks (the scheduler asks the workers)", check=_port_base)
     pd_hold_secs: float = setting(30.0, "how long a prefill instance holds a request's chunks for its decode "
                                         "instance when no RELEASE comes (vLLM's kv_lease_duration)", check=SECONDS)
+    pd_max_held_bytes: Optional[int] = setting(None, "most bytes of L1 chunks a prefill instance holds for "
+                                                     "decode instances at once; a request that would go over "
+                                                     "it is not held (its pull is answered ERR full, the "
+                                                     "decode instance recomputes; counted in "
+                                                     "pd_holds_refused); null: half of the L1 arena; 0: no cap",
+                                               check=at_least(0, "bytes"))
     pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
@@ -144,9 +150,10 @@ class ExtraConfig:
                                                  "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
                                                  "variable (vLLM logs kv_connector_extra_config)")
     require_chunk_mac: bool = setting(False, "refuse to start when a tier others can write (remote_url; a "
-                                             "local_disk with local_disk_shared) would store chunks without a "
-                                             "MAC key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: "
-                                             "start with one warning (see docs/SECURITY.md)")
+                                             "local_disk with local_disk_shared) would store chunks, or a "
+                                             "prefill instance would serve its KV transfer port, without a MAC "
+                                             "key (chunk_mac_key / LMCACHE_VLLM_CHUNK_MAC_KEY); false: start "
+                                             "with one warning (see docs/SECURITY.md)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
 

@@ -61,6 +61,7 @@ class GroupedHold:
         self._result: PrefixHit | None = None
         self._limited: set[int] = set()
         self._chunk_size = cs
+        self._released = False  # the request went away: no prefetch may start for it any more
 
     def hold_of(self, group: int) -> HeldPrefix | None:
         return self._anchors.get(group) or self._others.get(group)
@@ -74,6 +75,8 @@ class GroupedHold:
         None while some prefetch has not."""
         if self._result is not None:
             return self._result
+        if self._released:  # asking the other groups would start prefetches nobody releases
+            return PrefixHit(self.start, 0, ())
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._candidate is None:
             ends = []
@@ -146,6 +149,8 @@ class GroupedHold:
         if old is not None:
             old.release()
         self._others[group] = hold
+        if self._released:  # released while this group was asked (another thread): let it go at once
+            hold.release()
         return hold
 
     def _finish(self, end: int) -> PrefixHit:

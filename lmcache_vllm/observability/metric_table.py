@@ -155,6 +155,14 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "instance's RELEASE (or the request's abort)"),
     _c("pd_holds_expired", "requests", "Holds ended because no decode instance released them within "
        "extra_config.pd_hold_secs"),
+    _c("pd_holds_refused", "requests", "Requests a prefill instance did not hold because the bytes held for "
+       "decode instances were at extra_config.pd_max_held_bytes: their pull is answered ERR full and the "
+       "decode instance recomputes"),
+    _c("pd_server_refusals", "connections", "Requests or connections a prefill instance's transfer server "
+       "refused or cut off (reason: bad_request, auth, busy: every slot serving a pull; evicted: closed to "
+       "make room; idle, timeout: no whole request in time; incomplete: the peer closed mid-request; lease: "
+       "a send cut off at the hold's lease end; stalled: a peer that read nothing for its I/O timeout)",
+       ("reason",)),
     _c("pd_prefill_requests", "requests", "Requests a prefill instance answered with kv_transfer_params "
        "for a decode instance", scope="engine"),
     # -- gauges, read when asked for
@@ -174,5 +182,6 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("pd_holds", "requests", "Requests whose chunks a prefill instance holds in L1 until a decode "
        "instance pulls them (or the hold expires)"),
     _g("pd_held_bytes", "bytes", "Bytes of L1 chunks held for decode instances"),
+    _g("pd_server_connections", "connections", "Connections open to a prefill instance's transfer servers"),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}

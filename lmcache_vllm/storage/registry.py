@@ -9,12 +9,16 @@ kv_connector_extra_config at start-up).
 Tiers others can write (`unprotected_tiers`: Redis, which every instance and anyone who reaches it can
 write; a disk directory configured as shared) without a MAC key let anyone plant KV the model reads:
 building them then logs one warning saying so and how to fix it, or, with
-`extra_config.require_chunk_mac`, refuses to start (`ConfigError`). See docs/SECURITY.md.
+`extra_config.require_chunk_mac`, refuses to start (`ConfigError`). A prefill instance's transfer port
+(`transfer_host`: where it binds) counts too: without a key anyone who reaches it and names a request id
+pulls that request's KV, and its requests are not authenticated. `require_chunk_mac` refuses it like a
+tier; without it, the warning names the port only when it listens beyond loopback. See docs/SECURITY.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 from typing import Callable, Mapping, Optional
@@ -27,11 +31,13 @@ from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.redis import RedisBackend
+from lmcache_vllm.storage.transfer.sockets import bind_address
 
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
 MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
+TRANSFER_PORT = "transfer port"  # a prefill instance's KV transfer server (storage/transfer/server.py)
 
 # The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled.
 LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, RedisBackend)
@@ -52,10 +58,23 @@ def unprotected_tiers(config: LMCacheConfig, mac: Optional[ChunkMac]) -> dict[st
     return {tier: who for tier, who in found.items() if who}
 
 
-def check_chunk_mac(config: LMCacheConfig, mac: Optional[ChunkMac]) -> None:
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(bind_address(host)).is_loopback
+    except ValueError:
+        return False
+
+
+def check_chunk_mac(config: LMCacheConfig, mac: Optional[ChunkMac], *, transfer_host: Optional[str] = None) -> None:
     """One warning when a tier others can write stores chunks without a MAC; `ConfigError` instead with
-    `extra_config.require_chunk_mac`."""
+    `extra_config.require_chunk_mac`. `transfer_host`: this process serves a transfer port bound there."""
     exposed = unprotected_tiers(config, mac)
+    if transfer_host is not None and mac is None:
+        local = _loopback(transfer_host)
+        if config.extra_config.require_chunk_mac or not local:
+            exposed[TRANSFER_PORT] = (f"any process on this host ({transfer_host})" if local else
+                                      f"anyone who reaches {transfer_host}") + \
+                " reads a request's held KV by its id, unauthenticated"
     if not exposed:
         return
     what = "; ".join(f"{tier}: {why}" for tier, why in exposed.items())
@@ -63,10 +82,11 @@ def check_chunk_mac(config: LMCacheConfig, mac: Optional[ChunkMac]) -> None:
            f"every instance sharing the tier; see docs/SECURITY.md")
     if config.extra_config.require_chunk_mac:
         raise ConfigError([Problem("extra_config.require_chunk_mac", True, f"no chunk MAC key, and others can "
-                                   f"write these tiers ({what}): {fix}")])
-    logs.warn(logger, "chunk_mac_missing", "lmcache-vllm: chunks carry no keyed MAC, and others can write "
-              "these tiers (%s): whoever can write them can plant KV that the model then reads. To fix: %s. "
-              "extra_config.require_chunk_mac: true refuses to start without a MAC key.", what, fix)
+                                   f"write these tiers or pull from this port ({what}): {fix}")])
+    logs.warn(logger, "chunk_mac_missing", "lmcache-vllm: chunks carry no keyed MAC, and others can write these "
+              "tiers or pull from this port (%s): whoever can write them can plant KV that the model then reads, "
+              "whoever reaches the port reads held KV. To fix: %s. extra_config.require_chunk_mac: true refuses "
+              "to start without a MAC key.", what, fix)
 
 
 def build_allocator(config: LMCacheConfig) -> HostAllocator:

@@ -40,7 +40,7 @@ from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, bui
 from lmcache_vllm.integration.vllm.lookup import LookupClient
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.parallelism import ParallelLayout, TPFailureAgreement, check_supported, worker_layout
-from lmcache_vllm.integration.vllm.pd.params import advertised_host
+from lmcache_vllm.integration.vllm.pd.params import advertised_host, bind_host
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
@@ -152,6 +152,10 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             set_background_cpus(background_cpus_for(vllm_config, self.config.extra_config.background_cpus))
             config = self.config
             can_save = self.can_save
+            if can_save and not plan.multi:  # this rank will serve a KV transfer port (pd/worker.py)
+                from lmcache_vllm.storage.registry import check_chunk_mac, chunk_mac
+
+                check_chunk_mac(config, chunk_mac(config), transfer_host=bind_host(config.extra_config.pd_host))
 
             def peer_transfer(engine: "CacheEngine") -> "PeerTransfer":
                 from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer

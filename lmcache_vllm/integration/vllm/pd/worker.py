@@ -22,9 +22,8 @@ from lmcache_vllm.integration.vllm.saves import SaveQueue
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier, send_release
-from lmcache_vllm.storage.transfer.holds import PeerHolds
+from lmcache_vllm.storage.transfer.holds import PeerHolds, max_held_bytes
 from lmcache_vllm.storage.transfer.server import TransferServer
-from lmcache_vllm.storage.transfer.wire import chunk_header
 
 if TYPE_CHECKING:
     from lmcache_vllm.engine import CacheEngine
@@ -46,7 +45,8 @@ class PeerTransfer:
         self.holds: PeerHolds | None = None
         self.server: TransferServer | None = None
         if serve:
-            self.holds = PeerHolds(extra.pd_hold_secs)
+            self.holds = PeerHolds(extra.pd_hold_secs, mac=mac, max_bytes=max_held_bytes(
+                extra.pd_max_held_bytes, engine.storage.allocator.capacity))
             self.server = TransferServer(self.holds, host=bind_host(extra.pd_host),
                                          port=extra.pd_port + tp_rank if extra.pd_port else 0, mac=mac)
 
@@ -70,11 +70,9 @@ class PeerTransfer:
             return
         try:
             keys, objs = self.engine.hold_prefix(spec.token_ids, spec.extra)
-            keys = keys[:len(objs)]
-            # The wire headers (a checksum pass over each chunk) are made here, on the save thread, so that
-            # the decode instance's pull only sends.
-            headers = [chunk_header(key, obj.tensor, self.mac) for key, obj in zip(keys, objs)]
-            self.holds.fill(spec.req_id, keys, objs, headers)
+            # fill makes the wire headers (a checksum pass over each chunk) here, on the save thread, so that
+            # the decode instance's pull only sends; it owns the references whatever happens.
+            self.holds.fill(spec.req_id, keys[:len(objs)], objs)
         except Exception:  # never a dead save thread: the decode instance recomputes
             logs.warn(logger, "pd_hold_failed", "request %s: holding its chunks failed", spec.req_id, exc_info=True)
             self.holds.fill(spec.req_id, [], [])
