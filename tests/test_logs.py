@@ -59,3 +59,28 @@ def test_dead_redis_logs_once_and_counts_every_failure(redis_server, redis_prefi
     assert metrics.value("failed_reads", tier="redis") == 20
     redis_lines = [r for r in caplog.records if "redis" in r.getMessage().lower()]
     assert len(redis_lines) <= 2, [r.getMessage() for r in redis_lines]
+
+
+def test_rate_limited_kinds_are_bounded(caplog):
+    """A kind can carry a peer's text (an ERR code): however many distinct ones arrive, `warn` remembers at
+    most MAX_KINDS, the least recently logged forgotten first."""
+    log = logging.getLogger("test.logs")
+    caplog.set_level(logging.WARNING, logger="test.logs")
+    for i in range(3 * logs.MAX_KINDS):
+        logs.warn(log, f"peer_code_{i}", "peer said %d", i)
+        logs.warn(log, f"peer_code_{i}", "peer said %d", i)  # suppressed: counted under its kind
+    assert len(logs._last) <= logs.MAX_KINDS and len(logs._suppressed) <= logs.MAX_KINDS
+    assert len(caplog.records) == 3 * logs.MAX_KINDS
+    # A recent kind is still rate-limited.
+    assert not logs.warn(log, f"peer_code_{3 * logs.MAX_KINDS - 1}", "again")
+
+
+def test_peer_text_cannot_forge_log_lines():
+    forged = "r1\r\n2026-01-01 INFO lmcache: all good\x1b[2J\u2028x"
+    shown = logs.peer_text(forged)
+    assert "\n" not in shown and "\r" not in shown and "\x1b" not in shown and "\u2028" not in shown
+    assert shown == "r1\\r\\n2026-01-01 INFO lmcache: all good\\x1b[2J\\u2028x"
+    assert logs.peer_text(b"id\n\xff") == "id\\n\\xff"
+    long = logs.peer_text("a" * 10_000)
+    assert long.startswith("a" * logs.PEER_TEXT_CHARS) and len(long) < logs.PEER_TEXT_CHARS + 16
+    assert logs.peer_text("cmpl-3f2a-0") == "cmpl-3f2a-0"

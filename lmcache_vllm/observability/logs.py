@@ -5,6 +5,12 @@ A systematic failure (a dead tier, a full arena, a corrupt directory) repeats ev
 with a traceback, buries vLLM's own log. `warn(logger, kind, ...)` logs the first occurrence of a kind at
 once (its traceback too, when there is one), then counts repeats silently and, at the next occurrence after
 `interval` seconds, logs the message once more with how many were left out. The metrics count every one.
+It remembers at most `MAX_KINDS` kinds (the least recently logged are forgotten): a kind may carry a
+peer's text (an error code), so their number is not ours to bound.
+
+`peer_text(value)` is what any text from the network (a request id, a peer's error detail) becomes before it
+goes into a log line: control characters and line breaks escaped, length bounded, so a peer cannot forge
+log lines or flood the log.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ if TYPE_CHECKING:
     from lmcache_vllm.config import LMCacheConfig
 
 DEFAULT_INTERVAL_S = 60.0
+MAX_KINDS = 1024  # kinds remembered by `warn`
+PEER_TEXT_CHARS = 200  # characters of a peer's text a log line shows
 
 _lock = threading.Lock()
 _last: dict[str, float] = {}  # kind -> when it was last logged
@@ -36,12 +44,30 @@ def warn(logger: logging.Logger, kind: str, msg: str, *args: object, exc_info: b
             _suppressed[kind] = _suppressed.get(kind, 0) + 1
             return False
         first = last is None
+        _last.pop(kind, None)  # re-inserted last: `_last` is in order of logging, oldest first
         _last[kind] = now
         left_out = _suppressed.pop(kind, 0)
+        while len(_last) > MAX_KINDS:
+            oldest = next(iter(_last))
+            del _last[oldest]
+            _suppressed.pop(oldest, None)
     if left_out and last is not None:  # suppressed ones only follow a logged one
         msg += f" [{left_out} more like this in the last {now - last:.1f}s not logged]"
     logger.warning(msg, *args, exc_info=exc_info and first)
     return True
+
+
+def peer_text(value: object, limit: int = PEER_TEXT_CHARS) -> str:
+    """`value` (text or bytes from the network) as it may appear in a log line: every character that is not
+    printable (CR, LF, ESC, Unicode line separators, ...) escaped as Python writes it, at most `limit`
+    characters of it shown."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        text = bytes(value[:limit * 4]).decode("utf-8", "backslashreplace")
+    else:
+        text = str(value)
+    cut = len(text) > limit
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return text + "...[cut]" if cut else text
 
 
 def reset() -> None:
