@@ -260,7 +260,7 @@ class PeerTier(StorageBackend):
         and checked (checksum, MAC). None without memory (the stream is then left mid-message: the caller
         stops); `CorruptEntry` / `PeerProtocolError` for anything wrong, with nothing left allocated."""
         header = wire.check_chunk(reply, index, key, payload_len)
-        obj = alloc(header.shape, header.dtype)
+        obj = codec.allocate(header, alloc)  # the peer's header alone allocates nothing but the expected chunk
         if obj is None:
             return None
         try:
