@@ -161,7 +161,7 @@ def pd_scope(fingerprint: str, tp_size: int, chunk_size: int) -> str:
     return f"{fingerprint}/tp{tp_size}/c{chunk_size}"
 
 
-def host_warnings(host: str) -> list[str]:
+def host_warnings(host: str, resolve_timeout_s: float = 1.0) -> list[str]:
     """What makes a prefill instance advertising `host` unreachable to decode instances (said at start)."""
     literal = ip_literal(host)
     if host.lower() == "localhost" or (literal is not None and is_loopback(literal)):
@@ -169,11 +169,18 @@ def host_warnings(host: str) -> list[str]:
                 f"decode instances on this host can pull from it; set extra_config.pd_host (or "
                 f"VLLM_NIXL_SIDE_CHANNEL_HOST) to an address they reach"]
     if literal is None:
-        try:
-            families = {info[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-        except (OSError, UnicodeError):
-            families = set()
-        if families == {socket.AF_INET6}:
+        families: set[int] = set()
+
+        def lookup() -> None:  # on a daemon thread: start-up waits for it at most `resolve_timeout_s`
+            try:
+                families.update(info[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+            except (OSError, UnicodeError):
+                pass
+
+        thread = threading.Thread(target=lookup, name="lmcache-pd-resolve", daemon=True)
+        thread.start()
+        thread.join(resolve_timeout_s)
+        if not thread.is_alive() and families == {socket.AF_INET6}:
             return [f"disaggregated prefill: pd_host {host} has IPv6 addresses only, and the transfer server "
                     f"binds names by their IPv4 address: set pd_host to the IPv6 address itself"]
     return []
