@@ -25,7 +25,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
 from lmcache_vllm.config.peers import check_request_id  # noqa: E402
-from lmcache_vllm.integration.vllm.pd.params import prefill_params  # noqa: E402
+from lmcache_vllm.integration.vllm.pd.params import PDRefusal, parse_remote_prefill, prefill_params  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.trust import PeerTrust, Resolver  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
@@ -122,6 +122,10 @@ def test_any_params_end_in_a_checked_pull_or_one_counted_refusal():
         half = SchedulerHalf(LMCacheConfig(chunk_size=S_CHUNK), block_size=S_BLOCK, lookup_client=PrefixStore(0),
                              can_load=True, can_save=True, pd=pd)
         before = refusals()
+        try:  # the peer a RELEASE may go to: one the decode instance admits (refused for other reasons or not)
+            peer = trust.admit(parse_remote_prefill(params))
+        except PDRefusal:
+            peer = None
         req = pd_request("d", 700, params)
         with no_sockets():
             n, load_async = half.get_num_new_matched_tokens(req, 0)
@@ -135,8 +139,9 @@ def test_any_params_end_in_a_checked_pull_or_one_counted_refusal():
                 assert remote.tp_size == len(remote.ports) == 1 and all(0 < p < 65536 for p in remote.ports)
             finish(half, req, RequestStatus.FINISHED_ABORTED)
             releases = half.build_connector_meta(SchedulerOutput.make_empty()).peer_releases
-        for spec in releases:  # only to the peer it would have pulled from
-            assert remote is not None and spec.host == remote.address and spec.ports == remote.ports
+        for spec in releases:  # only to a peer it admits (it may refuse it for its TP or chunk size)
+            assert peer is not None and spec.host == peer.address and spec.ports == peer.ports
+            assert admitted(spec.host) or (mac and peer.trust == "signed")
 
     with bounded_run(thread_grace_s=2.0):
         run()
