@@ -119,6 +119,15 @@ def _int(value: Any, low: int, high: int, what: str) -> int:
     return value
 
 
+def _engine_id(value: Any) -> str:
+    """vLLM's engine id of the prefill instance (any name its operator gave; never sent anywhere, only signed)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 256 or not value.isprintable():
+        raise ValueError("remote_engine_id must be at most 256 printable characters")
+    return value
+
+
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """The decode side's `RemotePrefill` of `params` (which ask for a remote prefill), every field checked,
     or `PDRefusal`."""
@@ -142,7 +151,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         engine_id = params.get("remote_engine_id")
         sig, expires = ours.get("sig"), ours.get("expires")
         remote = RemotePrefill(
-            engine_id=check_request_id(engine_id, "remote_engine_id") if engine_id is not None else "",
+            engine_id=_engine_id(engine_id),
             req_id=check_request_id(params.get("remote_request_id"), "remote_request_id"),
             host=check_host(params.get("remote_host")), ports=ports, tp_size=tp_size,
             num_tokens=_int(params.get("remote_num_tokens"), 0, MAX_PROMPT_TOKENS, "remote_num_tokens"),
