@@ -267,3 +267,27 @@ def test_an_advertised_localhost_is_said_at_start():
     (warning,) = host_warnings("localhost")
     assert "only decode instances on this host" in warning and "pd_host" in warning
     assert host_warnings("10.0.0.1") == []
+
+
+def test_the_connector_signs_for_its_models_scope():
+    """What the connector builds (`pd_trust`): instances of one model share a scope, so one verifies the
+    other's params; another model (here: another dtype) has another scope, and its signature does not pass."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from lmcache_vllm.integration.vllm.connector import pd_trust
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
+
+    def trust_of(dtype: str) -> PeerTrust:
+        model = ModelConfig(model=str(build_model("tiny")), dtype=dtype, max_model_len=1024, enforce_eager=True)
+        config = LMCacheConfig(chunk_size=S_CHUNK, extra_config={"chunk_mac_key": "one-secret-for-both"})
+        return pd_trust(config, VllmConfig(model_config=model), 1)
+
+    p, d, other = trust_of("bfloat16"), trust_of("bfloat16"), trust_of("float32")
+    assert p.scope == d.scope != other.scope and p.mac is not None
+    params = prefill_params(engine_id="P", req_id="p-req", host="10.5.5.5", ports=[7000], num_tokens=700,
+                            chunk_size=S_CHUNK, mac=p.mac, scope=p.scope, expires=int(time.time() + 30))
+    assert d.admit(parse_remote_prefill(params)).trust == "signed"
+    with pytest.raises(PDRefusal) as refused:
+        other.admit(parse_remote_prefill(params))
+    assert refused.value.reason == "bad_signature"
+    assert PeerTrust().mac is None and pd_trust(LMCacheConfig(chunk_size=S_CHUNK), None, 1).scope == ""  # type: ignore[arg-type]
