@@ -47,6 +47,31 @@ torch::Tensor layer_pointer_array(const std::vector<torch::Tensor>& caches) {
   return it->second;
 }
 
+// One word per device in mapped pinned host memory, where the kernels store a slot >= num_slots they met
+// (paged_copy.h): the device alias for the launches, the host address to read. Read at the next call on the
+// device, without a synchronisation (a kernel still running only delays the report, as CUDA reports a
+// kernel's fault at a later call). Null when the device has no mapped memory (then nothing is reported).
+int64_t* bad_slot_word(const torch::Device& device, int64_t** device_alias) {
+  static std::mutex mutex;
+  static std::map<int, std::pair<int64_t*, int64_t*>> words;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = words.find(device.index());
+  if (it == words.end()) {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();  // clear it: later calls must not see it
+      host = nullptr;
+    } else {
+      *static_cast<volatile int64_t*>(host) = -1;
+    }
+    void* alias = host ? lmc_mapped_device_pointer(host) : nullptr;
+    it = words.emplace(device.index(), std::make_pair(alias ? static_cast<int64_t*>(host) : nullptr,
+                                                      static_cast<int64_t*>(alias))).first;
+  }
+  *device_alias = it->second.second;
+  return it->second.first;
+}
+
 // `layer_array` receives the device array of layer addresses the launch reads (undefined for one layer).
 std::string make_args(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
                       int64_t layout, int64_t block_size, lmc_paged_args& args, torch::Tensor& layer_array) {
@@ -111,6 +136,15 @@ std::string transfer(bool gather, const std::vector<torch::Tensor>& caches, cons
     std::string error = make_args(caches, slots, chunk, layout, block_size, args, layer_array);
     if (!error.empty()) return error;
     const c10::cuda::CUDAGuard guard(caches[0].device());
+    int64_t* alias = nullptr;
+    volatile int64_t* bad = bad_slot_word(caches[0].device(), &alias);
+    if (bad && *bad >= 0) {  // an earlier kernel met a slot beyond the cache: reported once, like the CPU ops
+      const int64_t slot = *bad;
+      *bad = -1;
+      return msg("slot ", slot, " beyond the cache's slots, met by an earlier copy on ", caches[0].device(),
+                 " (not copied; the callers check slots first, so a caller's bug)");
+    }
+    args.bad_slot = alias;
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
     const int rc = gather ? lmc_paged_gather(&args, stream.stream()) : lmc_paged_scatter(&args, stream.stream());
     // The kernel reads the array when the stream gets to it: not before, so its memory stays out of reuse

@@ -61,7 +61,11 @@ __global__ void __launch_bounds__(kThreads) paged_copy_kernel(lmc_paged_args a, 
       const uint32_t token = i / per_token, rest = i - token * per_token;
       const uint32_t head = rest / units_per_piece, unit = rest - head * units_per_piece;
       const int64_t slot = LMC_KERNEL_SLOT(a.slots[token]);
-      if (slot < 0 || slot >= a.num_slots) continue;
+      if (slot < 0) continue;  // no slot: the token keeps its KV
+      if (slot >= a.num_slots) {  // never copied, and reported (any one of several racing stores is)
+        if (a.bad_slot) *a.bad_slot = slot;
+        continue;
+      }
       Vec* cell = const_cast<Vec*>(reinterpret_cast<const Vec*>(
                       base + (slot / a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_token +
                       head * a.stride_head + plane * a.piece_bytes)) + unit;

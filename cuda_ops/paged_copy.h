@@ -5,7 +5,10 @@
 // `piece_bytes` bytes (head_size elements) of slot s = block * block_size + offset starts at
 //   base + block * stride_block + offset * stride_token + head * stride_head + plane * piece_bytes
 // (plane 0 = K, 1 = V; MLA: planes = 1). Chunk: contiguous [layers, planes, num_tokens, heads * piece_bytes].
-// Slots < 0 and slots >= num_slots are skipped (the caller checks bounds on the host before the launch).
+// Slots < 0 are skipped (no slot: the token keeps its KV). A slot >= num_slots is never copied and, like the CPU
+// ops' check, reported: the kernel stores it into *bad_slot (when given), where the caller reads it (the host
+// emulation at once; the torch binding at its next call on the device, as CUDA reports a kernel's fault).
+// The callers check bounds on the host before the launch too, so a report means a caller's bug.
 // Everything is enqueued on `stream`; nothing here waits for the device.
 #pragma once
 #include <stdint.h>
@@ -31,6 +34,7 @@ typedef struct {
   int64_t num_tokens;
   void* chunk;                 // device pointer, or the device alias of pinned (registered) host memory
   uint64_t bases_or;           // bitwise OR of every layer base address (picks the vector width)
+  int64_t* bad_slot;           // device-visible word, or NULL: a slot >= num_slots the kernel met is stored there
 } lmc_paged_args;
 
 // 0 on success; otherwise a CUDA error code or -1 for bad arguments (see lmc_last_error()).

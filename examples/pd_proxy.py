@@ -9,7 +9,8 @@ robin), sends the prefill instance a copy of the body with `kv_transfer_params: 
 ...}`, `max_tokens: 1` and no streaming, takes `kv_transfer_params` from its answer and sends the original
 body with those params to the decode instance, whose answer (streamed or not) goes back to the client as it
 comes. Both instances get the same `X-Request-Id`. If the prefill instance fails, the decode instance gets
-the request without params and computes the prompt itself (counted in /healthcheck's `prefill_failures`).
+the request without params and computes the prompt itself (counted in /healthcheck's `prefill_failures`): a
+client's own `kv_transfer_params` never reach either instance.
 GET /healthcheck answers 200 with those counts. fastapi, httpx and uvicorn come with vLLM.
 """
 from __future__ import annotations
@@ -44,8 +45,12 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """What the decode instance gets: the client's body, with the prefill instance's params if any."""
-    return dict(body, kv_transfer_params=params) if params else dict(body)
+    """What the decode instance gets: the client's body with the prefill instance's params, if any, and never
+    the client's own (they could name any host for the decode instance to connect to)."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params:
+        out["kv_transfer_params"] = params
+    return out
 
 
 def build_app(prefillers: list[str], decoders: list[str], timeout_s: float = 600.0) -> FastAPI:

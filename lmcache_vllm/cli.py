@@ -108,9 +108,9 @@ def _redis_settings(args: argparse.Namespace) -> ClientSettings:
 
 def _run_tool(args: argparse.Namespace) -> int:
     from lmcache_vllm.admin import report as rep
-    from lmcache_vllm.config.redact import redact_url, remember_secret, url_password
+    from lmcache_vllm.config.redact import redact_url, remember_url_secrets
 
-    remember_secret(url_password(getattr(args, "redis", None) or ""))  # never printed from here on
+    remember_url_secrets(getattr(args, "redis", None) or "")  # never printed from here on
     prefix = getattr(args, "prefix", None) or _default_key_prefix()
     if args.command == "inspect":
         if args.disk:

@@ -346,10 +346,16 @@ def make_certificates(directory: Path) -> dict[str, Path]:
             "/CN=127.0.0.1")
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{name}.crt", "-days", "2", "-extfile", str(ext))
+    # A server certificate the CA signed for another host name (the host-name check must refuse it).
+    (directory / "other-san.ext").write_text("subjectAltName=DNS:other-host.example\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "other-host.key", "-out", "other-host.csr", "-subj",
+        "/CN=other-host.example")
+    run("x509", "-req", "-in", "other-host.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "other-host.crt", "-days", "2", "-extfile", "other-san.ext")
     for key in directory.glob("*.key"):
         os.chmod(key, 0o600)
     return {name: directory / name for name in ("ca.crt", "other-ca.crt", "server.crt", "server.key",
-                                                 "client.crt", "client.key")}
+                                                 "client.crt", "client.key", "other-host.crt", "other-host.key")}
 
 
 def tls_server_args(certs: dict[str, Path], *, client_certs: bool) -> tuple[str, ...]:

@@ -227,3 +227,25 @@ def test_a_misaligned_16_byte_unit_stops_the_host_build():
                             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert result.stdout.split() == ["unit", "16"], (result.stdout, result.stderr[-2000:])
     assert result.returncode != 0 and "misaligned address" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_slot_beyond_the_cache_is_reported_by_the_kernel_as_by_the_cpu_op():
+    """The CPU op refuses a slot beyond the cache; the kernel used to skip it silently. Now it stores it where its
+    caller reads it (here at once: a host launch; the torch binding at its next call), and both report it
+    (issue 30 #11). A slot < 0 (no slot) stays skipped by both, without a report."""
+    from lmcache_vllm.layouts.strided import OP_STRIDED
+
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # 4 blocks of 16: 64 slots
+    caches = [cache, cache]
+    kernel = host_kernel("as_built").with_chunk_path(False)
+    cpu = ops.cpu_ext()
+    for slots, bad in ((torch.tensor([0, 1, 64]), 64), (torch.tensor([3, 9999, -1]), 9999)):
+        chunk = torch.zeros(2, 2, len(slots), 128, dtype=torch.bfloat16)
+        for gather in (True, False):
+            by_kernel = ops.transfer(kernel, gather, caches, slots, chunk, OP_STRIDED, 16)
+            assert f"slot {bad} beyond the cache's 64 slots" in by_kernel, by_kernel
+            if cpu is not None:
+                assert f"slot {bad} beyond the cache's 64 slots" in ops.transfer(cpu, gather, caches, slots, chunk,
+                                                                                 OP_STRIDED, 16)
+    chunk = torch.zeros(2, 2, 3, 128, dtype=torch.bfloat16)
+    assert ops.transfer(kernel, True, caches, torch.tensor([0, -1, 63]), chunk, OP_STRIDED, 16) == ""

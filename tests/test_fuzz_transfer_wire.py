@@ -25,8 +25,9 @@ from test_transfer_server import probe
 
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.codec import ExpectedAlloc
 from lmcache_vllm.storage.transfer import wire
-from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier
+from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier, send_release
 from lmcache_vllm.storage.transfer.holds import PeerHolds
 from lmcache_vllm.storage.transfer.server import TransferServer
 
@@ -126,8 +127,17 @@ def test_transfer_server_answers_any_bytes_or_counts_a_refusal_and_still_serves(
 def _damaged(draw, index: int, t: torch.Tensor) -> bytes:
     """What comes in place of chunk `index`: a message of random parts, raw random bytes, the real chunk with
     some bytes replaced (in its framing, index, header or payload, truncation included), another key or
-    index, an early END, an ERR, or nothing more (the connection closes)."""
-    kind = draw(st.sampled_from(["random", "raw", "bytes", "other_key", "other_index", "end", "err", "close"]))
+    index, a valid chunk of the right key claiming another shape or dtype (it must not be allocated), an early
+    END, an ERR (with random code and text: logged escaped), or nothing more (the connection closes)."""
+    kind = draw(st.sampled_from(["random", "raw", "bytes", "other_key", "other_index", "other_shape", "end", "err",
+                                 "err_text", "close"]))
+    if kind == "other_shape":
+        shape = draw(st.sampled_from([(2, 2, 64, 16), (2, 2, 4, 16), (1, 2, 8, 16), (4, 2, 8, 16)]))
+        dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+        other = torch.zeros(shape, dtype=dtype) if dtype != t.dtype or shape != SHAPE else t.float()
+        return wire.frame_bytes(wire.chunk_reply(index, key(index), other))
+    if kind == "err_text":
+        return wire.frame_bytes(wire.error_reply(draw(st.binary(max_size=64)), draw(st.text(max_size=64))))
     if kind == "random":
         return wire.frame_bytes(draw(st.lists(_frame, min_size=1, max_size=7)))
     if kind == "raw":
@@ -195,7 +205,14 @@ def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
         # Whatever follows the damage (a correct rest, then END) must not be taken any more.
         script += [wire.frame_bytes(wire.chunk_reply(i, key(i), tensors[i])) for i in range(good + 1, n_keys)]
         script.append(wire.frame_bytes(wire.end_reply(n_keys)))
-        got = asyncio.run(_pull_from_scripted_peer(script, n_keys, arena.allocate))
+        asked: list = []
+
+        def allocate(shape, dtype):
+            asked.append((tuple(shape), dtype))
+            return arena.allocate(shape, dtype)
+
+        expected = ExpectedAlloc(allocate, {key(i): (SHAPE, torch.bfloat16) for i in range(n_keys)})
+        got = asyncio.run(_pull_from_scripted_peer(script, n_keys, expected))
         assert len(got) == n_keys
         n_got = next((i for i, obj in enumerate(got) if obj is None), n_keys)
         assert all(obj is None for obj in got[n_got:]), "chunks after a gap"
@@ -206,7 +223,12 @@ def test_decode_side_takes_any_reply_as_verified_chunks_or_a_counted_miss():
         if n_got < n_keys:
             assert failures() == 1, "a short pull was not counted"
         assert arena.used_bytes == 0
+        # Nothing but the expected chunk was ever allocated: a header alone cannot take more of the arena.
+        assert all(a == (SHAPE, torch.bfloat16) for a in asked), asked
 
+    # The release thread is one daemon for the process, started at its first RELEASE: not a thread a pull
+    # leaves behind (without this the test failed when run alone).
+    send_release(PeerSource("127.0.0.1", 9, "warm-up"))
     try:
         with bounded_run():
             pull_once()

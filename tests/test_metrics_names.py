@@ -148,15 +148,17 @@ STABLE = [
     ("tier_write_seconds", "histogram", ('tier',),
      'Time to write one chunk to a lower tier'),
     ("pd_pulled_chunks", "counter", ('peer',),
-     'Chunks a decode instance pulled from a prefill instance (peer: its host:port) and verified'),
+     'Chunks a decode instance pulled from a prefill instance and verified (peer: its '
+     'extra_config.pd_peers entry, loopback, or other: a bounded set, whatever host a client names)'),
     ("pd_pulled_bytes", "counter", ('peer',),
      'Bytes of the chunks pulled from a prefill instance'),
     ("pd_pull_seconds", "histogram", ('peer',),
      "Time of one request's pull from one prefill instance's rank, first request to last frame"),
     ("pd_pull_failures", "counter", ('reason',),
      'Pulls from a prefill instance that did not bring every chunk asked for (reason: timeout, '
-     'unreachable, refused, missing, corrupt, no_memory) or that were not tried (tp_mismatch, '
-     'bad_params, role); the rest was recomputed'),
+     'unreachable, refused, missing, corrupt, no_memory) or that were not tried (bad_params, untrusted, '
+     'unsigned, bad_signature, expired, unresolved: params refused before any connection; tp_mismatch, '
+     'role, hybrid, uncacheable); the rest was recomputed'),
     ("pd_served_chunks", "counter", (),
      "Chunks a prefill instance's transfer server sent to a decode instance"),
     ("pd_served_bytes", "counter", (),

@@ -91,3 +91,36 @@ def test_cli_output_holds_no_secret(capsys):
                      "--timeout", "0.5"]) == cli.EXIT_ERROR
     out = capsys.readouterr()
     assert_clean(out.out, out.err)
+
+
+async def test_a_password_with_url_characters_authenticates_and_is_never_shown(tmp_path, caplog):
+    """A password holding `/`, `#`, `?` and `@` (which end a URL's user info for urllib and redis-py) is taken
+    whole by our parser, given to redis-py quoted, and masked where the parser takes it from (issue 30 #7)."""
+    import torch
+    from redis_servers import Process, free_port, server_args
+
+    from lmcache_vllm.config.remote_url import parse_remote_url
+    from lmcache_vllm.memory import HostAllocator
+
+    password = "Pw4/with#odd?chars@in"
+    port = free_port()
+    server = Process(server_args(port, tmp_path, "--requirepass", password), port, ping={"password": password})
+    server.start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        for url in (f"redis://:{password}@127.0.0.1:{port}/0", f"redis-sentinel://:{password}@127.0.0.1:1/m"):
+            target = parse_remote_url(url)
+            assert target.password == password
+            assert password not in target.display() and password not in repr(target)
+        cfg = LMCacheConfig(remote_url=f"redis://:{password}@127.0.0.1:{port}/0")
+        backend = RedisBackend(cfg)
+        assert backend.start_problem is None, backend.start_problem
+        arena = HostAllocator(1 << 20)
+        obj = arena.allocate((2, 2, 16, 64), torch.bfloat16)
+        assert await backend.put("m@1@0@bfloat16@v1@" + "0" * 64, obj)
+        obj.ref_down()
+        await backend.close()
+        assert_clean(repr(cfg), cfg.summary(), logs.describe_config(cfg))
+        assert password not in caplog.text and "Pw4/with" not in caplog.text
+    finally:
+        server.kill()

@@ -360,3 +360,30 @@ async def test_symlinks_are_never_followed(tmp_path, alloc, make_chunk):
     with pytest.raises(ConfigError, match=USAGE_FILE):
         open_disk(str(plain), 1 << 20)
     assert victim.read_bytes() == b"precious"
+
+
+async def test_hard_links_are_refused_and_never_counted(tmp_path, alloc, make_chunk):
+    """A hard link in the directory (of a shared one, anyone's) is another name of a file elsewhere: read as a
+    chunk, counted in the byte budget, or written as the usage count, it would redirect writes and drift the
+    budget. It is a miss, its name (not the file) removed, its bytes never counted (issue 30 #11)."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    outside = open_disk(str(elsewhere), 1 << 20)
+    assert await outside.put(key(1), obj_of(make_chunk(1, CHUNK)))
+    await outside.close()
+    disk = open_disk(str(cache), 1 << 20)
+    os.link(elsewhere / filename_for(key(1)), cache / filename_for(key(1)))  # a valid chunk, under two names
+    assert await disk.contains([key(1)]) == [False]
+    assert await disk.get(key(1), alloc) is None
+    assert (elsewhere / filename_for(key(1))).exists()  # the file itself untouched
+    await disk.close()
+    again = open_disk(str(cache), 1 << 20)
+    assert again._budget.used() == 0  # a restart's recount skips such a name
+    await again.close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    os.link(victim, plain / USAGE_FILE)  # the usage count planted as a second name of someone's file
+    with pytest.raises(ConfigError, match=USAGE_FILE):
+        open_disk(str(plain), 1 << 20)
+    assert victim.read_bytes() == b"precious"

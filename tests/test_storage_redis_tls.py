@@ -8,7 +8,15 @@ import logging
 
 import pytest
 import torch
-from redis_servers import ClusterProcesses, Process, TlsServer, free_port, make_certificates, server_args
+from redis_servers import (
+    ClusterProcesses,
+    Process,
+    TlsServer,
+    free_port,
+    make_certificates,
+    server_args,
+    tls_server_args,
+)
 
 from lmcache_vllm.config import ConfigError, LMCacheConfig
 from lmcache_vllm.memory import HostAllocator
@@ -122,6 +130,25 @@ async def test_misconfiguration_is_one_clear_error_at_start(tls_server, certs, c
     assert not await round_trip(backend)
     assert metrics.value("failed_writes", tier="redis") == 1
     await backend.close()
+
+
+@pytest.mark.parametrize("cert_reqs", ["required", "optional"])
+async def test_a_certificate_for_another_host_is_refused(certs, tmp_path, cert_reqs):
+    """A certificate the CA signed for another host name authenticates that host, not this one: refused with
+    ssl_cert_reqs 'optional' too (it used to skip the host-name check; issue 30 #11)."""
+    other = dict(certs, **{"server.crt": certs["other-host.crt"], "server.key": certs["other-host.key"]})
+    port = free_port()
+    server = Process(server_args(0, tmp_path, "--tls-port", str(port), *tls_server_args(other, client_certs=False)),
+                     port, ping={"ssl": True, "ssl_ca_certs": str(certs["ca.crt"]), "ssl_check_hostname": False})
+    server.start()
+    try:
+        extra = {"ssl_ca_certs": str(certs["ca.crt"]), "ssl_cert_reqs": cert_reqs, "remote_timeout_secs": 1.0}
+        backend = RedisBackend(LMCacheConfig(remote_url=f"rediss://127.0.0.1:{port}", extra_config=extra))
+        assert backend.start_problem is not None and "not trusted" in backend.start_problem, backend.start_problem
+        assert not await round_trip(backend)
+        await backend.close()
+    finally:
+        server.kill()
 
 
 async def test_tls_client_at_a_plain_port_is_reported(redis_server, certs):

@@ -64,7 +64,7 @@ class Prefill:
         return keys
 
     def source(self, req_id: str) -> PeerSource:
-        return PeerSource("127.0.0.1", self.server.port, req_id)
+        return PeerSource("127.0.0.1", self.server.port, req_id, "loopback")
 
     def close(self) -> None:
         self.server.close()
@@ -112,7 +112,7 @@ def test_pull_brings_every_held_chunk_verified_and_releases_the_hold(prefill, ma
         assert_chunks(pull(mgr, keys, prefill.source("r1")), tensors)
         assert mgr.contains(keys) == [True] * 3  # promoted into the decode side's L1
     assert wait_until(lambda: len(prefill.holds) == 0)  # the pull's RELEASE ended the hold
-    label = f"127.0.0.1:{prefill.server.port}"
+    label = "loopback"  # the scheduler's bounded label, not the host:port a client named
     assert metrics.value("pd_pulled_chunks", peer=label) == 3
     assert metrics.value("pd_pulled_bytes", peer=label) == 3 * tensors[0].numel() * 2
     assert metrics.value("pd_pull_seconds", peer=label) == 1
@@ -374,3 +374,83 @@ def test_nothing_to_pull_still_releases_the_hold(prefill, make_chunk):
         assert_chunks(pull(mgr, keys, prefill.source("r10")), tensors)  # from L1: the peer is not asked
     assert wait_until(lambda: len(prefill.holds) == 0)
     assert metrics.value("pd_served_chunks") == 2
+
+
+# ---------------------------------------------------------------- what reaches a socket, what reaches a log
+@pytest.mark.parametrize("host", ["localhost", "xn--zz.example", "\u00e9" * 70, "10.0.0.1:80", "", "[::1]"])
+def test_a_source_is_an_address_and_a_checked_request_id(host):
+    """Names are resolved (and checked against what D trusts) by the scheduler: a source never makes a
+    thread look a name up (an IDNA error used to kill the one release thread)."""
+    with pytest.raises(ValueError):
+        PeerSource(host, 7000, "r")
+    for req_id in ("r\r\nPING", "", "r" * 257, "r r"):
+        with pytest.raises(ValueError):
+            PeerSource("127.0.0.1", 7000, req_id)
+    for port in (0, 65536, True):
+        with pytest.raises(ValueError):
+            PeerSource("127.0.0.1", port, "r")
+
+
+def full_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener whose accept queue is full: a connect to it hangs (its SYN is dropped)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(listener.getsockname())
+        except BlockingIOError:
+            pass
+        fillers.append(s)
+    return listener, fillers
+
+
+async def test_a_pull_cancelled_before_it_connected_still_releases(monkeypatch):
+    import asyncio
+
+    from lmcache_vllm.storage.transfer import client
+
+    sent: list[PeerSource] = []
+    monkeypatch.setattr(client, "send_release", lambda source, mac=None: sent.append(source))
+    listener, fillers = full_listener()
+    try:
+        source = PeerSource("127.0.0.1", listener.getsockname()[1], "r-cancel", "loopback")
+        task = asyncio.ensure_future(PeerTier(source, timeout_s=5.0).get_many([key(0)], lambda shape, dtype: None))
+        await asyncio.sleep(0.3)  # connecting (the SYN waits for room in the accept queue)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sent == [source]  # the request was aborted: P may let its hold go now, not at its lease
+    finally:
+        for s in [listener, *fillers]:
+            s.close()
+
+
+def test_a_peers_error_text_is_escaped_in_the_log(caplog):
+    """A fake prefill instance answers ERR with line breaks and terminal escapes: one log line, escaped."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            recv_request(conn)
+            detail = "nope\r\n2026-01-01 WARNING forged line\x1b[2J"
+            conn.sendall(wire.frame_bytes(wire.error_reply(b"evil\ncode", detail)))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with StorageManager(d_config()) as mgr, caplog.at_level("WARNING"):
+            assert pull(mgr, [key(0)], PeerSource("127.0.0.1", listener.getsockname()[1], "r9")) == []
+        refused = [r.getMessage() for r in caplog.records if "refused request" in r.getMessage()]
+        assert len(refused) == 1 and "\n" not in refused[0] and "\r" not in refused[0] and "\x1b" not in refused[0]
+        assert "forged line" in refused[0]  # shown, escaped
+    finally:
+        thread.join(5)
+        listener.close()

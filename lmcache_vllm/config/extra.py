@@ -22,6 +22,7 @@ from lmcache_vllm.config.fields import (
     setting,
     size_gib,
 )
+from lmcache_vllm.config.peers import check_peers
 from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.cpu_affinity import parse_cpu_list
 
@@ -131,6 +132,13 @@ class ExtraConfig:
     pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
+    pd_peers: list[str] = setting(
+        meaning="the prefill instances a decode instance pulls from without chunk_mac_key (kv_transfer_params come "
+        "from clients, so they may name any host): host names, addresses or networks (10.0.0.0/24). Loopback "
+        "is always allowed, but chunks pulled from an unlisted loopback peer stay in L1 (never written to disk "
+        "or Redis); chunks from a listed peer, or verified with the MAC, are stored like any other. With "
+        "chunk_mac_key set, prefill instances sign their params and any signed peer is pulled from",
+        check=check_peers, default_factory=list)
     # KV copies on a GPU
     cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
                                        "the torch path's bytes on a scratch copy of that layout; otherwise an "

@@ -8,7 +8,9 @@
     redis-sentinel://[user:pw@]host:port[,host:port...][/master_name[/db]]   the master a set of Sentinels
                                                            names (TLS: rediss-sentinel://)
 
-The user and password authenticate at the data nodes (AUTH / ACL user), URL-quoted. A Sentinel URL
+The user and password authenticate at the data nodes (AUTH / ACL user), URL-quoted or not: the user info
+ends at the last `@` (`redact.split_url`, the rule redaction shares, so a password with `/`, `#`, `?` or `@`
+is taken, and masked, whole). A Sentinel URL
 without `/master_name` takes it, as LMCache does, from the `REDIS_SERVICE_NAME` environment variable
 (default `redismaster`). Lives in `config` (not in `storage`) because the configuration checks every URL
 at start-up with this same parser; the storage tier builds its redis-py client from the result.
@@ -20,9 +22,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
-from lmcache_vllm.config.redact import redact_url
+from lmcache_vllm.config.redact import UrlParts, redact_url, remember_url_secrets, split_url
 
 
 class Topology(enum.Enum):
@@ -78,24 +80,20 @@ class RedisTarget:
 
 def parse_remote_url(url: str) -> RedisTarget:
     """The `RedisTarget` of `url`; ValueError saying what is wrong and which forms are accepted."""
-    if "://" not in url:
+    parts = split_url(url)
+    if parts is None:
         raise ValueError(f"expected {ACCEPTED}, or null")
-    scheme_given, rest = url.split("://", 1)
-    scheme = scheme_given.lower()
+    remember_url_secrets(url)  # redacted from any text from now on (an error below included)
+    scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise ValueError(f"the scheme {scheme_given}:// is not one of ours; expected {ACCEPTED}")
+        raise ValueError(f"the scheme {redact_url(parts.scheme)}:// is not one of ours; expected {ACCEPTED}")
     topology, tls = SCHEMES[scheme]
+    username, password = _credentials(parts)
     if topology is Topology.UNIX:
-        return _parse_unix(url, scheme)
-    netloc, _, path = rest.partition("/")
-    path, _, query = path.partition("?")
-    netloc = netloc.split("?", 1)[0]
-    userinfo, at, hostlist = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
+        return _parse_unix(url, parts, scheme, username, password)
+    hostlist, _, path = parts.rest.partition("/")
+    hostlist = hostlist.split("?", 1)[0]
+    path = path.split("?", 1)[0]
     nodes = tuple(_parse_node(part, DEFAULT_PORT[topology], scheme) for part in hostlist.split(","))
     if topology is Topology.SINGLE:
         if len(nodes) > 1:
@@ -108,26 +106,33 @@ def parse_remote_url(url: str) -> RedisTarget:
             raise ValueError(f"a Redis Cluster has only database 0: {scheme}://host:port[,host:port...] "
                              f"(got the path /{path})")
         return RedisTarget(scheme, topology, tls, nodes, username, password, url=url)
-    parts = [p for p in path.split("/") if p]
-    if len(parts) > 2:
+    names = [p for p in path.split("/") if p]
+    if len(names) > 2:
         raise ValueError(f"expected {scheme}://host:port[,host:port...][/master_name[/db]] (got the path /{path})")
-    master = unquote(parts[0]) if parts else None
-    db = _db(parts[1], scheme) if len(parts) == 2 else 0
+    master = unquote(names[0]) if names else None
+    db = _db(names[1], scheme) if len(names) == 2 else 0
     return RedisTarget(scheme, topology, tls, nodes, username, password, db, master, url=url)
 
 
-def _parse_unix(url: str, scheme: str) -> RedisTarget:
-    parts = urlsplit(url)
-    if not parts.path:
+def _credentials(parts: UrlParts) -> tuple[Optional[str], Optional[str]]:
+    if parts.userinfo is None:
+        return None, None
+    user, colon, pw = parts.userinfo.partition(":")
+    return unquote(user) or None, unquote(pw) if colon else None
+
+
+def _parse_unix(url: str, parts: UrlParts, scheme: str, username: Optional[str],
+                password: Optional[str]) -> RedisTarget:
+    path, _, query = parts.rest.partition("?")
+    if not path:
         raise ValueError("expected unix:///path/to/redis.sock")
     db = 0
-    for item in parts.query.split("&"):
+    for item in query.split("&"):
         name, _, value = item.partition("=")
         if name == "db":
             db = _db(value, scheme)
-    return RedisTarget(scheme, Topology.UNIX, False, username=unquote(parts.username or "") or None,
-                       password=unquote(parts.password) if parts.password is not None else None, db=db,
-                       unix_path=parts.path, url=url)
+    return RedisTarget(scheme, Topology.UNIX, False, username=username, password=password, db=db, unix_path=path,
+                       url=url)
 
 
 def _parse_node(text: str, default_port: int, scheme: str) -> tuple[str, int]:

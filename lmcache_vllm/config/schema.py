@@ -25,7 +25,7 @@ from lmcache_vllm.config.fields import (
     size_gib,
 )
 from lmcache_vllm.config.reader import build_extra
-from lmcache_vllm.config.redact import redact_value, remember_secret, url_password
+from lmcache_vllm.config.redact import redact_value, remember_url_secrets
 from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem, tls_problems
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
@@ -87,7 +87,7 @@ class LMCacheConfig:
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
         if isinstance(self.remote_url, str):
-            remember_secret(url_password(self.remote_url))  # from now on redacted from any text we show
+            remember_url_secrets(self.remote_url)  # from now on redacted from any text we show
         raise_if_any(problems)
 
     def __repr__(self) -> str:

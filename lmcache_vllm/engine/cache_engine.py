@@ -24,6 +24,7 @@ from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import StorageBackend
+from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.prefetch import PrefetchHandle
 from lmcache_vllm.storage.tier import Tier
@@ -165,6 +166,11 @@ class CacheEngine:
         metrics.inc("store_skipped_tokens", sum(c.num_tokens for c, p in zip(chunks, present) if p))
         return todo
 
+    def _specs(self, chunks: Sequence[_Chunk]) -> list[ChunkSpec]:
+        """The shape and dtype each chunk must have: what a read may allocate for it (`codec.ExpectedAlloc`)."""
+        dtype = self.layout.geometry.dtype
+        return [(tuple(self.layout.chunk_shape(c.num_tokens)), dtype) for c in chunks]
+
     def _allocate(self, chunk: _Chunk) -> MemoryObj | None:
         try:
             return self.storage.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.geometry.dtype)
@@ -185,15 +191,17 @@ class CacheEngine:
         plan = _RetrievePlan()
         if not chunks:
             return plan
-        objs = self.storage.get([c.key for c in chunks], owner, lower_tiers)
+        objs = self.storage.get([c.key for c in chunks], owner, lower_tiers, expected=self._specs(chunks))
         for chunk, obj in zip(chunks, objs):
             expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
             if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
-                # Same key, different geometry: another model config wrote it. Treat as a miss.
+                # Same key, different geometry: not this key's chunk. A miss, and dropped from L1 (else it
+                # stays the most recently used entry and every request with this prefix fails on it again).
                 metrics.inc("shape_mismatches")
-                logs.warn(logger, "shape_mismatch", "chunk %s has shape %s %s, expected %s %s; ignored",
+                logs.warn(logger, "shape_mismatch", "chunk %s has shape %s %s, expected %s %s; dropped",
                           chunk.key.to_str(), tuple(obj.tensor.shape), obj.tensor.dtype, expected,
                           self.layout.geometry.dtype)
+                self.storage.discard(chunk.key)
                 break
             plan.chunks.append(chunk)
             plan.objs.append(obj)
@@ -246,7 +254,7 @@ class CacheEngine:
         chunks = self._chunks(tokens, self.config.save_unfull_chunk or peer is not None, extra)
         self._note_for_events(tokens, chunks)  # what the prefetch reads from below lands in L1
         chunks = chunks[first:]
-        handle = self.storage.prefetch([c.key for c in chunks], peer=peer)
+        handle = self.storage.prefetch([c.key for c in chunks], peer=peer, expected=self._specs(chunks))
         return HeldPrefix(handle, first * cs, [c.end for c in chunks])
 
     def hold_prefix(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> tuple[list[str], list[MemoryObj]]:

@@ -19,6 +19,7 @@ from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.layouts.state import StatePageLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.tokens import CacheKey, KeyBuilder, TokenIds
 
@@ -43,6 +44,10 @@ class StateEngine:
             return None
         return self.keys.keys(tokens[:boundary], False, extra)[-1][0]
 
+    def _spec(self) -> ChunkSpec:
+        """The shape and dtype of this group's state chunks: what a read may allocate for one."""
+        return (tuple(self.layout.chunk_shape()), torch.uint8)
+
     def _device(self) -> torch.device:
         return self.caches[0].device if self.caches else torch.device("cpu")
 
@@ -50,7 +55,7 @@ class StateEngine:
         """Finds and holds the state at `boundary` (see `CacheEngine.lookup_and_hold`): the hit covers
         the chunk ending at `boundary` when the state is there."""
         key = self._key(tokens, boundary, extra)
-        handle = self.storage.prefetch([key] if key is not None else [])
+        handle = self.storage.prefetch([key] if key is not None else [], expected=[self._spec()])
         cs = self.keys.chunk_size
         return HeldPrefix(handle, max(0, boundary - cs), [boundary] if key is not None else [])
 
@@ -89,15 +94,16 @@ class StateEngine:
         key = self._key(tokens, boundary, extra)
         if key is None or block < 0:
             return False
-        objs = self.storage.get([key], owner, lower_tiers)
+        objs = self.storage.get([key], owner, lower_tiers, expected=[self._spec()])
         if not objs:
             return False
         obj = objs[0]
         try:
             if tuple(obj.tensor.shape) != self.layout.chunk_shape() or obj.tensor.dtype != torch.uint8:
                 metrics.inc("shape_mismatches")
-                logs.warn(logger, "shape_mismatch", "state %s has shape %s %s, expected %s uint8; ignored",
+                logs.warn(logger, "shape_mismatch", "state %s has shape %s %s, expected %s uint8; dropped",
                           key.to_str(), tuple(obj.tensor.shape), obj.tensor.dtype, self.layout.chunk_shape())
+                self.storage.discard(key)  # (left in L1, every request with this prefix would fail on it)
                 return False
             self.layout.scatter(obj.tensor, self.caches, block)
             return True

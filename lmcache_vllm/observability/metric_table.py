@@ -141,14 +141,16 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _h("tier_read_seconds", "Time of one batched read from a lower tier", _T),
     _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
     # -- disaggregated prefill (docs/DISAGGREGATED.md): D pulls a request's chunks from P's transfer server
-    _c("pd_pulled_chunks", "chunks", "Chunks a decode instance pulled from a prefill instance (peer: its "
-       "host:port) and verified", ("peer",)),
+    _c("pd_pulled_chunks", "chunks", "Chunks a decode instance pulled from a prefill instance and verified "
+       "(peer: its extra_config.pd_peers entry, loopback, or other: a bounded set, whatever host a client "
+       "names)", ("peer",)),
     _c("pd_pulled_bytes", "bytes", "Bytes of the chunks pulled from a prefill instance", ("peer",)),
     _h("pd_pull_seconds", "Time of one request's pull from one prefill instance's rank, first request "
        "to last frame", ("peer",)),
     _c("pd_pull_failures", "requests", "Pulls from a prefill instance that did not bring every chunk asked "
        "for (reason: timeout, unreachable, refused, missing, corrupt, no_memory) or that were not tried "
-       "(tp_mismatch, bad_params, role); the rest was recomputed", ("reason",)),
+       "(bad_params, untrusted, unsigned, bad_signature, expired, unresolved: params refused before any "
+       "connection; tp_mismatch, role, hybrid, uncacheable); the rest was recomputed", ("reason",)),
     _c("pd_served_chunks", "chunks", "Chunks a prefill instance's transfer server sent to a decode instance"),
     _c("pd_served_bytes", "bytes", "Bytes a prefill instance's transfer server sent"),
     _c("pd_holds_released", "requests", "Holds of a prefill instance's chunks ended by the decode "

@@ -177,7 +177,7 @@ def read_chunk(path: str, key: str, alloc: AllocFn,
         header = check_file(os.path.basename(path), head, os.fstat(fd).st_size, key.__eq__)
         if header is None:
             raise codec.CorruptEntry(f"{path} is not a chunk file of this format holding {key!r}")
-        obj = alloc(header.shape, header.dtype)
+        obj = codec.allocate(header, alloc)  # (an unexpected shape or dtype: refused before allocating)
         if obj is None:
             return None
         try:

@@ -25,6 +25,11 @@ the entry is deleted) any chunk whose MAC does not verify, all-zero MACs of writ
 included. Readers without a secret ignore the field. Format 2 added the field; format-1 entries are
 not read (another format version).
 
+A reader that knows which shape and dtype each key's chunk must have (the engine does: `chunk_shape(T)` of
+its layout and the KV dtype) hands the tiers an `ExpectedAlloc`; every tier allocates through `allocate`,
+which refuses a header claiming anything else (`CorruptEntry`) before a byte is allocated, so a planted
+header cannot make a read allocate more than the chunk it stands for (and evict L1 to find room).
+
 `decode_into` copies a payload into a preallocated tensor with `ctypes.memmove`, which releases the GIL
 (as xxh3 does), so decoding on a worker thread overlaps the event loop's socket reads; `payload_view`
 exposes a tensor's bytes so readers (`os.preadv`) can fill a `MemoryObj` without an intermediate buffer.
@@ -37,7 +42,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -84,6 +89,21 @@ for _name, _code in (("float8_e4m3fn", 10), ("float8_e5m2", 11), ("float8_e4m3fn
     if hasattr(torch, _name):
         _DTYPE_CODES[getattr(torch, _name)] = _code
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+ChunkSpec = tuple[tuple[int, ...], torch.dtype]  # the shape and dtype of the chunk a key must hold
+
+
+@dataclass(frozen=True)
+class ExpectedAlloc:
+    """An allocation function (`alloc(shape, dtype)`) that also knows the `ChunkSpec` of each key a read may
+    return (`expected`): `allocate` refuses any other before it allocates."""
+
+    alloc: AllocFn
+    expected: Mapping[str, ChunkSpec]
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> Optional[MemoryObj]:
+        return self.alloc(shape, dtype)
 
 
 class CorruptEntry(ValueError):
@@ -294,11 +314,26 @@ def decode(buf: ChunkBytes, expected_key: Optional[str],
     return alloc_and_fill(header, memoryview(buf).cast("B")[header.header_len:], alloc, mac)
 
 
+def allocate(header: ChunkHeader, alloc: AllocFn) -> Optional[MemoryObj]:
+    """Memory from `alloc` for the chunk `header` describes (None: no memory). With an `ExpectedAlloc`, a
+    header whose shape or dtype is not the one its key's chunk must have is `CorruptEntry`, before anything
+    is allocated."""
+    if isinstance(alloc, ExpectedAlloc):
+        spec = alloc.expected.get(header.key)
+        if spec is None:
+            raise CorruptEntry(f"chunk {header.key!r} was not asked for")
+        shape, dtype = tuple(spec[0]), spec[1]
+        if header.shape != shape or header.dtype != dtype:
+            raise CorruptEntry(f"chunk {header.key!r} claims {header.shape} {header.dtype}; this instance's "
+                               f"chunk of that key is {shape} {dtype}")
+    return alloc(header.shape, header.dtype)
+
+
 def alloc_and_fill(header: ChunkHeader, payload: ChunkBytes, alloc: AllocFn,
                    mac: Optional[ChunkMac]) -> Optional[MemoryObj]:
-    """A MemoryObj from `alloc` holding `payload`, checked against `header` (None: no memory); released again
-    when the payload is corrupt."""
-    obj = alloc(header.shape, header.dtype)
+    """A MemoryObj from `alloc` holding `payload`, checked against `header` (None: no memory; `allocate`
+    checks it first); released again when the payload is corrupt."""
+    obj = allocate(header, alloc)
     if obj is None:
         return None
     try:

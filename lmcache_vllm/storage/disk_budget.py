@@ -30,7 +30,8 @@ _COUNT = struct.Struct("<Q")
 
 
 def chunk_files_oldest_first(path: str, suffix: str, skip: Iterable[str] = ()) -> list[tuple[str, int]]:
-    """(name, size) of the regular files named `*suffix` in `path` but those in `skip`, oldest first."""
+    """(name, size) of the regular files of one name named `*suffix` in `path` but those in `skip`, oldest
+    first."""
     skip = set(skip)
     found = []
     with os.scandir(path) as it:
@@ -40,7 +41,7 @@ def chunk_files_oldest_first(path: str, suffix: str, skip: Iterable[str] = ()) -
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode):
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # (a hard link is no file of the directory's)
                     found.append((st.st_mtime, entry.name, st.st_size))
     return [(name, size) for _, name, size in sorted(found)]
 

@@ -1,12 +1,13 @@
 """Trust in the disk tier's directory and in what stands in it: `prepare_directory` (create it 0700, or
 refuse one that another user owns or others can write unless it is configured as shared),
 `others_can_write` (who else can plant files there) and `open_regular` (open a file in it without
-following a symbolic link or blocking on a FIFO, accepting regular files only).
+following a symbolic link or blocking on a FIFO, accepting regular files of one name only).
 
 Why: whoever can write the directory can plant chunk files, i.e. choose what the model reads unless
-chunks carry a keyed MAC (see docs/SECURITY.md); a symbolic link would make us read, or write the usage
-count into, a file elsewhere; a FIFO would block a reader thread for ever. A directory the user made is
-never chmod-ed: only the ones created here get their mode set.
+chunks carry a keyed MAC (see docs/SECURITY.md); a symbolic or hard link would make us read, or write the
+usage count into, a file elsewhere (a hard link also counts one file's bytes twice in the budget); a FIFO
+would block a reader thread for ever. A directory the user made is never chmod-ed: only the ones created
+here get their mode set.
 """
 
 from __future__ import annotations
@@ -87,4 +88,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+    if st.st_nlink > 1:  # another name of a file elsewhere: writes would reach it, its bytes counted twice
+        os.close(fd)
+        raise NotRegularFile(f"{path} is a hard link ({st.st_nlink} names of one file)")
     return fd

@@ -362,12 +362,13 @@ class LocalDiskBackend(StorageBackend):
 
 
 def _regular_file_size(path: str) -> int:
-    """The size of the regular file at `path`; 0 when there is none (or something else is there)."""
+    """The size of the regular file at `path`; 0 when there is none (or something else is there, a hard link
+    included: replacing that name frees none of its bytes)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
 def _release_result(cfut: Future[Optional[MemoryObj]]) -> None:

@@ -45,6 +45,7 @@ from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import Handoff, StorageBackend
+from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
 from lmcache_vllm.storage.reads import LowerTierReads
@@ -193,6 +194,11 @@ class StorageManager(LowerTierReads):
             out.append(obj)
         return out
 
+    def discard(self, key: KeyLike) -> None:
+        """Drops `key` from L1 (a chunk found unusable: left there, it would stay the most recently used
+        entry of its key, and every later request with that prefix would find it and fail again)."""
+        self.l1.remove_sync(_key_str(key))
+
     def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Whether each key is in L1 memory: no I/O, so the store path never waits on a slow tier (a
         write-through that finds a key present in a lower tier skips it there)."""
@@ -221,10 +227,11 @@ class StorageManager(LowerTierReads):
         return found
 
     def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
-            lower_tiers: bool = True) -> list[MemoryObj]:
+            lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None) -> list[MemoryObj]:
         """The longest prefix of `keys` found in any tier; each object carries a ref for the caller.
         With `owner` (a prefetch's `handle.owner`) that prefetch's holds become the caller's refs.
-        `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier)."""
+        `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier). `expected`:
+        the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`)."""
         ks = [_key_str(k) for k in keys]
         out: list[MemoryObj] = []
         for k in ks:
@@ -242,7 +249,8 @@ class StorageManager(LowerTierReads):
         if not self.lower or self._closed or not lower_tiers:
             return out
         handoff = Handoff()
-        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff), self._loop)
+        specs = dict(zip(ks, expected)) if expected is not None else None
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff, specs), self._loop)
         lower = handoff.take(self.get_timeout)
         if lower is None:
             fut.cancel()
@@ -250,11 +258,13 @@ class StorageManager(LowerTierReads):
             return out
         return out + lower
 
-    def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None) -> PrefetchHandle:
+    def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None,
+                 expected: Optional[Sequence[ChunkSpec]] = None) -> PrefetchHandle:
         """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
         is (`handle.located()`), reads that into L1 and holds it too. Holds last until a `get` with
         `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass. `peer`: a tier of
-        this request only (a prefill instance's chunks, `peer.py`), read before the lower tiers."""
+        this request only (a prefill instance's chunks, `transfer/client.py`), read before the lower tiers.
+        `expected`: as for `get`."""
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
@@ -277,7 +287,8 @@ class StorageManager(LowerTierReads):
             return PrefetchHandle(None, n, release, owner)
         metrics.inc("prefetches")
         handle = PrefetchHandle(None, n, release, owner, lower_pending=True)
-        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer),
+        specs = dict(zip(ks, expected)) if expected is not None else None
+        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs),
                                                        self._loop))
         return handle
 

@@ -2,8 +2,10 @@
 tier holds each key, one batched existence check per tier), `_fetch` (read the longest lower-tier prefix
 into L1 memory and promote it), `_prefetch` (phase two of a prefetch: locate, tell the handle, read,
 hold). A prefetch may put a per-request tier in front of the lower ones (a prefill instance's transfer
-server, `peer.py`): what it does not serve is then looked for in the lower tiers. A mixin: it uses the
-manager's `lower`, `l1`, `_holds` and `lookup_timeout`.
+server, `transfer/client.py`): what it does not serve is then looked for in the lower tiers. With `expected`
+(key -> the shape and dtype its chunk must have, from the engine's layout) every tier allocates only what
+the key's chunk is (`codec.ExpectedAlloc`): a header claiming more is a corrupt entry, not an allocation.
+A mixin: it uses the manager's `lower`, `l1`, `_holds` and `lookup_timeout`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import Handoff, StorageBackend, gather_owned, release_objs
+from lmcache_vllm.storage.codec import ChunkSpec, ExpectedAlloc
 from lmcache_vllm.storage.prefetch import Located, PrefetchHandle
 from lmcache_vllm.storage.tier import Tier
 
@@ -71,9 +74,11 @@ class LowerTierReads:
         return [tier.name for tier in _located_prefix(await self._locate(keys))]
 
     async def _fetch(self, keys: Sequence[str], where: Optional[list[Optional[StorageBackend]]] = None,
-                     tiers: Optional[Sequence[StorageBackend]] = None) -> list[MemoryObj]:
+                     tiers: Optional[Sequence[StorageBackend]] = None,
+                     expected: Optional[Mapping[str, ChunkSpec]] = None) -> list[MemoryObj]:
         """Reads the longest prefix of `keys` that `tiers` (default: the lower tiers) hold into L1 memory;
-        promotes; refs for the caller. `where` (from `_locate`) saves asking the tiers again."""
+        promotes; refs for the caller. `where` (from `_locate`) saves asking the tiers again; `expected`: see
+        the module docstring."""
         tiers = list(self.lower if tiers is None else tiers)
         if where is None:
             where = await self._locate(keys, tiers)
@@ -83,7 +88,7 @@ class LowerTierReads:
         by_tier: dict[int, list[int]] = {}
         for i in range(n):
             by_tier.setdefault(rank[id(located[i])], []).append(i)
-        alloc = self.l1.try_allocate
+        alloc: AllocFn = self.l1.try_allocate if expected is None else ExpectedAlloc(self.l1.try_allocate, expected)
 
         async def read(tier: StorageBackend, idx: list[int]) -> list[Optional[MemoryObj]]:
             t0 = time.perf_counter()
@@ -121,9 +126,10 @@ class LowerTierReads:
             metrics.inc("chunk_misses", asked, tier=tier.name)
         return kept
 
-    async def _fetch_into(self, keys: Sequence[str], handoff: Handoff) -> None:
+    async def _fetch_into(self, keys: Sequence[str], handoff: Handoff,
+                          expected: Optional[Mapping[str, ChunkSpec]] = None) -> None:
         try:
-            objs: list[MemoryObj] = await self._fetch(keys)
+            objs: list[MemoryObj] = await self._fetch(keys, expected=expected)
         except asyncio.CancelledError:
             handoff.deliver([])
             raise
@@ -134,22 +140,24 @@ class LowerTierReads:
         handoff.deliver(objs)
 
     async def _prefetch(self, keys: Sequence[str], owner: int, handle: PrefetchHandle,
-                        ready: int, peer: Optional[StorageBackend] = None) -> int:
+                        ready: int, peer: Optional[StorageBackend] = None,
+                        expected: Optional[Mapping[str, ChunkSpec]] = None) -> int:
         """Phase two of a prefetch: asks the lower tiers (behind `peer`, when given) where `keys` are
         (bounded by the lookup timeout: no answer in time is no hit), tells the handle, then reads and holds
         that prefix. What `peer` does not serve is then looked for in the lower tiers. Tells the handle when
         it is over, however it ends (`handle.done()`)."""
         try:
             tiers = list(self.lower) if peer is None else [peer, *self.lower]
-            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready)
+            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready, expected)
             if peer is not None and got < len(keys) and self.lower:
-                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle)
+                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle, None, expected)
             return got
         finally:
             handle.finished()
 
     async def _locate_and_fetch(self, keys: Sequence[str], owner: int, tiers: list[StorageBackend],
-                                handle: PrefetchHandle, ready: Optional[int] = None) -> int:
+                                handle: PrefetchHandle, ready: Optional[int] = None,
+                                expected: Optional[Mapping[str, ChunkSpec]] = None) -> int:
         """Locates `keys` in `tiers`, reads and holds their longest prefix; with `ready` (the first
         round of a prefetch) tells the handle where that prefix is."""
         try:
@@ -168,7 +176,7 @@ class LowerTierReads:
             handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(tier.name for tier in located)))
         if n == 0:
             return 0
-        objs = await self._fetch(keys[:n], where[:n], tiers)
+        objs = await self._fetch(keys[:n], where[:n], tiers, expected)
         for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
             self._holds.hold(owner, key, obj)
         return len(objs)

@@ -42,6 +42,7 @@ from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.parallelism import ParallelLayout, TPFailureAgreement, check_supported, worker_layout
 from lmcache_vllm.integration.vllm.pd.params import advertised_host, bind_host
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
+from lmcache_vllm.integration.vllm.pd.trust import PeerTrust, host_warnings, pd_scope
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.threads import background_cpus_for
@@ -105,6 +106,18 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     return CacheEngine(config, kv_layout, keys)
 
 
+def pd_trust(config: LMCacheConfig, vllm_config: "VllmConfig", tp_size: int) -> PeerTrust:
+    """Which prefill instances the scheduler half pulls from, and the key it signs its own params with."""
+    from lmcache_vllm.storage.registry import chunk_mac
+
+    mac = chunk_mac(config)
+    scope = ""
+    if mac is not None:  # signed params name the model's keys: a signature for another model does not pass
+        identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_key_id=mac.key_id)
+        scope = pd_scope(identity.fingerprint, tp_size, config.chunk_size)
+    return PeerTrust(config.extra_config.pd_peers, mac, scope)
+
+
 class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves vLLM's KV into tiered storage and loads cached prefixes back (see module docstring)."""
 
@@ -140,7 +153,11 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             pd = PDScheduler(engine_id=instance_id, host=advertised_host(self.config.extra_config.pd_host),
                              chunk_size=self.config.chunk_size, tp_size=world_size,
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
-                             can_save=self.can_save)
+                             can_save=self.can_save, trust=pd_trust(self.config, vllm_config, world_size),
+                             hold_s=self.config.extra_config.pd_hold_secs, grouped=plan.multi)
+            if self.can_save:
+                for warning in host_warnings(pd.host):
+                    logger.warning(warning)
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
                                             can_load=self.can_load, can_save=self.can_save, pd=pd,
                                             groups=SchedulerGroups(plan.groups, self.config.chunk_size)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API se
     from lmcache_vllm.storage.base import StorageBackend
 
 # A prefill instance of a load (`LoadSpec.peer`) -> the tier that pulls from it (`pd/worker.py`).
-OpenPeer = Callable[[PeerSpec], "StorageBackend"]
+OpenPeer = Callable[[PeerSpec], "StorageBackend | None"]  # None: not one to pull from (logged)
 
 logger = logging.getLogger(__name__)
 

@@ -37,12 +37,14 @@ def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> 
 
 @dataclass(frozen=True)
 class PeerSpec:
-    """A prefill instance holding a request's chunks (disaggregated prefill): its host, one transfer port per
-    tensor-parallel rank, and the request's id there (the name of the hold)."""
+    """A prefill instance holding a request's chunks (disaggregated prefill): its address (an IP literal the
+    scheduler resolved and checked, `pd/trust.py`), one transfer port per tensor-parallel rank, the request's
+    id there (the name of the hold) and the peer's metric label (a bounded set)."""
 
     req_id: str
     host: str
     ports: tuple[int, ...]
+    label: str = "other"
 
 
 @dataclass

@@ -361,6 +361,8 @@ class SchedulerHalf:
         """Save what became computable this step: KV of tokens [0, kv_end) exists after it."""
         if not self.can_save or tracker.extra is None:
             return
+        if tracker.remote is not None and not tracker.remote.stores_through:
+            return  # KV pulled from a peer not trusted to write the shared tiers (pd/trust.py): it stays in L1
         if computed_before < tracker.saved_end:
             # vLLM rolled the request back (failed load): what we thought saved may not be.
             tracker.saved_end = floor_to(computed_before, self.chunk_size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import redis
 import redis.asyncio as aioredis
@@ -33,7 +34,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, Respons
 from redis.retry import Retry
 
 from lmcache_vllm.config import ExtraConfig
-from lmcache_vllm.config.redact import redact_text, remember_secret
+from lmcache_vllm.config.redact import redact_text, remember_secret, split_url
 from lmcache_vllm.config.remote_url import RedisTarget, Topology, sentinel_master_name
 
 
@@ -58,13 +59,24 @@ class ClientSettings:
             return {}
         return {"ssl_ca_certs": self.ssl_ca_certs, "ssl_certfile": self.ssl_certfile,
                 "ssl_keyfile": self.ssl_keyfile, "ssl_cert_reqs": self.ssl_cert_reqs,
-                "ssl_check_hostname": self.ssl_cert_reqs == "required"}
+                # 'optional' checks a certificate the server presents, its host name included (a valid
+                # certificate of another host is no authentication of this one); 'none' checks nothing.
+                "ssl_check_hostname": self.ssl_cert_reqs in ("required", "optional")}
 
 
 def _redis_py_url(target: RedisTarget) -> str:
-    """The single-server URL in redis-py's spelling (valkey:// is redis://)."""
-    scheme, rest = target.url.split("://", 1)
-    return {"valkey": "redis", "valkeys": "rediss"}.get(scheme.lower(), scheme.lower()) + "://" + rest
+    """The single-server URL in redis-py's spelling (valkey:// is redis://), its user info quoted: redis-py's
+    parser ends the user info at the first `/`, `?` or `#`, ours at the last `@` (config/redact.py)."""
+    parts = split_url(target.url)
+    assert parts is not None  # (a parsed target's URL)
+    auth = ""
+    if parts.userinfo is not None:
+        auth = quote(target.username or "", safe="")
+        if target.password is not None:
+            auth += ":" + quote(target.password, safe="")
+        auth += "@"
+    scheme = parts.scheme.lower()
+    return {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme) + "://" + auth + parts.rest
 
 
 def _auth(target: RedisTarget) -> dict[str, Any]:

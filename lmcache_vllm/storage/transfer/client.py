@@ -1,6 +1,7 @@
 """`PeerTier`: a prefill instance's transfer server as a read-only tier, for one request of a decode instance.
 
-Built per request from the prefill instance's address (`PeerSource`, from the request's kv_transfer_params) and
+Built per request from the prefill instance's address (`PeerSource`: from the request's kv_transfer_params,
+checked and resolved by the scheduler, which pulls only from peers it trusts: integration/vllm/pd/trust.py) and
 handed to `StorageManager.prefetch(keys, peer=...)`, which asks it before the disk and Redis tiers: it claims
 every key (the prefill instance said it holds the prompt; asking first would cost a round trip) and `get_many`
 pulls them in one PULL (`wire`) on a TCP connection of its own, on the storage manager's event loop. Each
@@ -10,8 +11,10 @@ space) and checked like a disk file or a Redis value (checksum, the MAC when a s
 instance does not send (it lacks it, answers an error, sends something corrupt, or stays silent for
 `timeout_s` between two messages: a dead or frozen instance) is answered None: a miss, which the load reports
 to vLLM for recompute. Every outcome is counted (`pd_pull_*`), and the tier always tells the prefill instance
-it is done (RELEASE), so its hold ends at once instead of at its lease. `send_release` does that for callers
-that never pulled, from a thread of its own: a RELEASE never blocks vLLM's step.
+it is done (RELEASE; also when the pull is cancelled before it connected), so its hold ends at once instead
+of at its lease. `send_release` does that for callers that never pulled, from a thread of its own: a RELEASE
+never blocks vLLM's step, and it connects to an address (no name lookup). Text from the peer (its ERR detail)
+is escaped before it is logged (`logs.peer_text`); metrics are labelled with the peer's bounded label.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from lmcache_vllm.config.peers import check_request_id, ip_literal
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
@@ -42,21 +46,31 @@ RELEASE_MAX_AGE_S = 30.0  # a RELEASE queued longer (behind unreachable peers) i
 
 @dataclass(frozen=True)
 class PeerSource:
-    """Where one request's KV waits: the transfer server of the prefill instance's rank, and the request id
-    it holds the chunks under."""
+    """Where one request's KV waits: the transfer server of the prefill instance's rank (an IP literal: names
+    are resolved, and checked against what this instance trusts, before a source is made of them), the
+    request id it holds the chunks under, and the peer's metric label (a bounded set: `pd/trust.py`).
+    ValueError for anything else: nothing unchecked reaches a socket."""
 
     host: str
     port: int
     req_id: str
+    label: str = "other"
+
+    def __post_init__(self) -> None:
+        if ip_literal(self.host) is None:
+            raise ValueError("a peer's host must be an IP address (resolved and checked by the scheduler)")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError("a peer's port must be from 1 to 65535")
+        check_request_id(self.req_id)
 
     @property
-    def label(self) -> str:
-        return f"{self.host}:{self.port}"
+    def family(self) -> socket.AddressFamily:
+        return socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
 
 class _Releases:
     """One daemon thread that sends queued RELEASEs (fire and forget: a dead instance loses nothing, its hold
-    expires)."""
+    expires). Nothing a peer does ends the thread, and a dead one is started again by the next `put`."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[PeerSource, Optional[ChunkMac], float]] = queue.SimpleQueue()
@@ -77,10 +91,15 @@ class _Releases:
             if time.monotonic() - queued > RELEASE_MAX_AGE_S:
                 continue
             try:
-                with socket.create_connection((source.host, source.port), timeout=RELEASE_TIMEOUT_S) as sock:
+                with socket.socket(source.family, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(RELEASE_TIMEOUT_S)
+                    sock.connect((source.host, source.port))  # an address: no name lookup on this thread
                     sock.sendall(wire.frame_bytes(wire.encode_request(wire.RELEASE, source.req_id, mac=mac)))
             except OSError:
                 pass
+            except Exception:  # never a dead thread: the hold expires anyway
+                logs.warn(logger, "pd_release_failed", "RELEASE to %s:%d failed", source.host, source.port,
+                          exc_info=True)
 
 
 _RELEASES = _Releases()
@@ -166,14 +185,16 @@ class PeerTier(StorageBackend):
         out: list[Optional[MemoryObj]] = [None] * len(keys)
         if not keys:
             return out
-        label = self.source.label
+        label = self.source.label  # metrics: a bounded set of labels; logs name the address
+        where = f"{self.source.host}:{self.source.port}"
         t0 = time.perf_counter()
         received = 0
         reason = ""
-        sock = socket.socket(socket.AF_INET6 if ":" in self.source.host else socket.AF_INET, socket.SOCK_STREAM)
+        req_id = logs.peer_text(self.source.req_id)
+        sock = socket.socket(self.source.family, socket.SOCK_STREAM)
         sock.setblocking(False)
         conn = _Connection(sock, self.timeout_s)
-        connected = False
+        connected = cancelled = False
         try:
             tune(sock)
             async with asyncio.timeout(self.timeout_s):
@@ -187,9 +208,11 @@ class PeerTier(StorageBackend):
                     break
                 if reply.kind == wire.ERR:
                     reason = "refused"
-                    logs.warn(logger, f"pd_refused_{reply.code}", "prefill instance %s refused request %s: "
-                              "%s (%s); recomputed here", label, self.source.req_id,
-                              wire.ERRORS.get(reply.code.encode(), reply.code), reply.detail)
+                    known = reply.code.encode() in wire.ERRORS  # the peer's code: a log kind only if ours
+                    logs.warn(logger, f"pd_refused_{reply.code if known else 'other'}", "prefill instance %s "
+                              "refused request %s: %s (%s); recomputed here", where, req_id,
+                              wire.ERRORS.get(reply.code.encode(), logs.peer_text(reply.code)),
+                              logs.peer_text(reply.detail))
                     break
                 if received >= len(keys):
                     raise wire.PeerProtocolError(f"more chunks than the {len(keys)} asked for")
@@ -205,24 +228,25 @@ class PeerTier(StorageBackend):
         except TimeoutError:  # asyncio.TimeoutError is TimeoutError (3.11)
             reason = "timeout"
             logs.warn(logger, "pd_pull_timeout", "prefill instance %s silent for %.1fs while request %s pulled "
-                      "%d of %d chunks; the rest is recomputed", label, self.timeout_s, self.source.req_id,
+                      "%d of %d chunks; the rest is recomputed", where, self.timeout_s, req_id,
                       received, len(keys))
         except (CorruptEntry, wire.PeerProtocolError) as exc:
             reason = "corrupt"
             metrics.inc("corrupt_chunks", tier=self.name)
             logs.warn(logger, "pd_pull_corrupt", "request %s: chunk %d from %s rejected (%s); the rest is "
-                      "recomputed", self.source.req_id, received, label, exc)
+                      "recomputed", req_id, received, where, logs.peer_text(exc))
         except OSError as exc:  # refused, reset, closed: the prefill instance is gone
             reason = "unreachable"
             logs.warn(logger, "pd_pull_unreachable", "prefill instance %s unreachable while request %s pulled "
-                      "%d of %d chunks (%s); the rest is recomputed", label, self.source.req_id, received,
+                      "%d of %d chunks (%s); the rest is recomputed", where, req_id, received,
                       len(keys), exc)
         except asyncio.CancelledError:
             release_objs(out)  # the caller gave up (request aborted, load timed out): nothing is returned
+            cancelled = True
             raise
         finally:
             sock.close()
-            if connected:
+            if connected or cancelled:  # (cancelled before it connected too: the hold need not wait its lease)
                 send_release(self.source, self.mac)
             metrics.observe("pd_pull_seconds", time.perf_counter() - t0, peer=label)
             if reason:
@@ -236,7 +260,7 @@ class PeerTier(StorageBackend):
         and checked (checksum, MAC). None without memory (the stream is then left mid-message: the caller
         stops); `CorruptEntry` / `PeerProtocolError` for anything wrong, with nothing left allocated."""
         header = wire.check_chunk(reply, index, key, payload_len)
-        obj = alloc(header.shape, header.dtype)
+        obj = codec.allocate(header, alloc)  # the peer's header alone allocates nothing but the expected chunk
         if obj is None:
             return None
         try:

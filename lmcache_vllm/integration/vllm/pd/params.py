@@ -5,21 +5,33 @@ A request sent to the prefill instance P carries `{"do_remote_decode": true, ...
 sends `do_remote_prefill: false` and null `remote_*` fields); P answers with `prefill_params(...)`: vLLM's
 field names (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_host`, `remote_port`,
 `tp_size`, `remote_num_tokens`) plus ours under `PARAMS_KEY` (protocol version, every TP rank's port, chunk
-size). The decode instance D gets that dict back from the proxy and `parse_remote_prefill` turns it into a
-`RemotePrefill`, or says in one `PDRefusal` why it cannot pull (and the request is recomputed): params of
-another connector, a broken dict, another protocol version, TP size or chunk size. Plain dicts in, plain
-dicts out: no vLLM import.
+size; with a chunk MAC key also the scope of its keys, an expiry and a signature over all of them). The
+decode instance D gets that dict back from the proxy, i.e. from a client: `parse_remote_prefill` checks every
+field before anything is done with it (request id charset and length, host syntax, port range and count,
+bounds of every number) and turns it into a `RemotePrefill`, or says in one `PDRefusal` why it cannot pull
+(and the request is recomputed): params of another connector, a broken or malformed dict, another protocol
+version, TP size or chunk size. Whether D may connect to the host is `trust.py`'s question. Plain dicts in,
+plain dicts out: no vLLM import.
 """
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from lmcache_vllm.config.extra import MAX_RANKS
+from lmcache_vllm.config.peers import check_host, check_request_id
 from lmcache_vllm.storage.transfer.wire import PROTOCOL_VERSION
 
+if TYPE_CHECKING:
+    from lmcache_vllm.storage.codec import ChunkMac
+
 PARAMS_KEY = "lmcache_vllm"
-_MAX_PORTS = 256
+MAX_PROMPT_TOKENS = 1 << 31
+MAX_CHUNK_SIZE = 1 << 20
+_SIG_CONTEXT = b"lmcache-vllm pd params v1"
+_U32 = struct.Struct("<I")
 
 
 class PDRefusal(ValueError):
@@ -32,7 +44,9 @@ class PDRefusal(ValueError):
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """Where a request's prefilled KV waits (the decode side's reading of the params)."""
+    """Where a request's prefilled KV waits (the decode side's reading of the params). `address`, `trust`
+    and `label` are `trust.PeerTrust`'s: the address D connects to (an IP literal), why it may
+    ("signed", "listed", "loopback") and the peer's metric label."""
 
     engine_id: str
     req_id: str  # the request's id on the prefill instance: the name of its hold
@@ -41,58 +55,112 @@ class RemotePrefill:
     tp_size: int
     num_tokens: int  # prompt tokens the prefill instance computed
     chunk_size: int
+    scope: str = ""  # signed params: the scope of the prefill instance's keys (model fingerprint)
+    expires: Optional[int] = None  # signed params: not pulled after this (Unix time)
+    sig: Optional[str] = None  # signed params: hex of the MAC over `signed_bytes`
+    address: str = ""
+    trust: str = ""
+    label: str = "other"
+
+    @property
+    def stores_through(self) -> bool:
+        """Whether what is pulled from it may reach the shared tiers: it was verified with the MAC, or the
+        peer is listed in `pd_peers` (an unlisted loopback peer's chunks stay in L1)."""
+        return self.trust in ("signed", "listed")
 
 
-def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+def wants_remote_decode(params: Any) -> bool:
     """The prefill side: this request's KV goes to a decode instance."""
-    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
+    return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
 
 
-def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+def wants_remote_prefill(params: Any) -> bool:
     """The decode side: this request's KV was computed by a prefill instance."""
-    return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
+    return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
+
+
+def signed_bytes(remote: RemotePrefill) -> bytes:
+    """What the params' signature covers: every field D uses, each length-prefixed (no separator to forge)."""
+    fields = (_SIG_CONTEXT, remote.engine_id, remote.req_id, remote.host, ",".join(map(str, remote.ports)),
+              str(remote.tp_size), str(remote.num_tokens), str(remote.chunk_size), remote.scope, str(remote.expires))
+    out = bytearray()
+    for f in fields:
+        data = f if isinstance(f, bytes) else f.encode("utf-8")
+        out += _U32.pack(len(data)) + data
+    return bytes(out)
+
+
+def sign(remote: RemotePrefill, mac: ChunkMac) -> str:
+    return mac.compute(signed_bytes(remote), b"").hex()
 
 
 def prefill_params(*, engine_id: str, req_id: str, host: str, ports: list[int], num_tokens: int,
-                   chunk_size: int) -> dict[str, Any]:
-    """What the prefill instance returns from `request_finished` for vLLM to put into its answer."""
+                   chunk_size: int, mac: Optional[ChunkMac] = None, scope: str = "",
+                   expires: Optional[int] = None) -> dict[str, Any]:
+    """What the prefill instance returns from `request_finished` for vLLM to put into its answer; with `mac`
+    (the chunk MAC key) signed for `scope` until `expires`."""
+    ours: dict[str, Any] = {"version": PROTOCOL_VERSION, "ports": list(ports), "chunk_size": chunk_size}
+    if mac is not None:
+        remote = RemotePrefill(engine_id, req_id, host, tuple(ports), len(ports), num_tokens, chunk_size,
+                               scope, expires)
+        ours.update(scope=scope, expires=expires, sig=sign(remote, mac))
     return {
         "do_remote_prefill": True, "do_remote_decode": False,
         "remote_engine_id": engine_id, "remote_request_id": req_id,
         "remote_host": host, "remote_port": ports[0], "tp_size": len(ports),
         "remote_num_tokens": num_tokens, "remote_block_ids": None,
-        PARAMS_KEY: {"version": PROTOCOL_VERSION, "ports": list(ports), "chunk_size": chunk_size},
+        PARAMS_KEY: ours,
     }
 
 
-def _int(value: Any, low: int, high: int) -> int:
+def _int(value: Any, low: int, high: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(value)
+        raise ValueError(f"{what} must be an integer from {low} to {high}")
+    return value
+
+
+def _engine_id(value: Any) -> str:
+    """vLLM's engine id of the prefill instance (any name its operator gave; never sent anywhere, only signed)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 256 or not value.isprintable():
+        raise ValueError("remote_engine_id must be at most 256 printable characters")
     return value
 
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """The decode side's `RemotePrefill` of `params` (which ask for a remote prefill), or `PDRefusal`."""
+    """The decode side's `RemotePrefill` of `params` (which ask for a remote prefill), every field checked,
+    or `PDRefusal`."""
     ours = params.get(PARAMS_KEY)
     if not isinstance(ours, Mapping):
         raise PDRefusal("bad_params", "kv_transfer_params name no lmcache-vllm prefill instance (another "
                                       "connector's params?)")
     if ours.get("version") != PROTOCOL_VERSION:
-        raise PDRefusal("bad_params", f"the prefill instance speaks transfer protocol version "
-                                      f"{ours.get('version')!r}, this one {PROTOCOL_VERSION}")
+        version = ours.get("version")
+        shown = version if isinstance(version, int) and not isinstance(version, bool) else "another"
+        raise PDRefusal("bad_params", f"the prefill instance speaks transfer protocol version {shown}, this "
+                                      f"one {PROTOCOL_VERSION}")
     try:
-        ports = tuple(_int(p, 1, 65535) for p in ours["ports"])
+        tp_size = _int(params.get("tp_size"), 1, MAX_RANKS, "tp_size")
+        raw_ports = ours.get("ports")
+        if not isinstance(raw_ports, (list, tuple)) or len(raw_ports) != tp_size:
+            raise ValueError("one port per TP rank of the prefill instance (tp_size of them)")
+        ports = tuple(_int(p, 1, 65535, "a port") for p in raw_ports)
+        if params.get("remote_port") is not None and params.get("remote_port") != ports[0]:
+            raise ValueError("remote_port must be rank 0's port")
+        engine_id = params.get("remote_engine_id")
+        sig, expires = ours.get("sig"), ours.get("expires")
         remote = RemotePrefill(
-            engine_id=str(params.get("remote_engine_id") or ""), req_id=str(params["remote_request_id"]),
-            host=str(params["remote_host"]), ports=ports, tp_size=_int(params["tp_size"], 1, _MAX_PORTS),
-            num_tokens=_int(params.get("remote_num_tokens"), 0, 1 << 40),
-            chunk_size=_int(ours["chunk_size"], 1, 1 << 30))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PDRefusal("bad_params", f"malformed lmcache-vllm kv_transfer_params ({type(exc).__name__}: "
-                                      f"{exc})") from None
-    if not remote.host or not remote.req_id or len(remote.ports) != remote.tp_size:
-        raise PDRefusal("bad_params", "malformed lmcache-vllm kv_transfer_params (host, request id or one "
-                                      "port per TP rank missing)")
+            engine_id=_engine_id(engine_id),
+            req_id=check_request_id(params.get("remote_request_id"), "remote_request_id"),
+            host=check_host(params.get("remote_host")), ports=ports, tp_size=tp_size,
+            num_tokens=_int(params.get("remote_num_tokens"), 0, MAX_PROMPT_TOKENS, "remote_num_tokens"),
+            chunk_size=_int(ours.get("chunk_size"), 1, MAX_CHUNK_SIZE, "chunk_size"),
+            scope=check_request_id(ours["scope"], "scope") if ours.get("scope") is not None else "",
+            expires=_int(expires, 0, 1 << 40, "expires") if expires is not None else None,
+            sig=check_request_id(sig, "sig", 128) if sig is not None else None)
+    except ValueError as exc:
+        raise PDRefusal("bad_params", f"malformed lmcache-vllm kv_transfer_params: {exc}") from None
     return remote
 
 

@@ -5,15 +5,18 @@
   into the answer (P's address, every TP rank's transfer port, asked from the workers once) or, for an
   aborted request, drops the hold.
 - Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
-  pulls (a loading role, keys for the request, the same TP and chunk size, lmcache-vllm params); a refusal
-  is logged once per reason with what to change, counted in `pd_pull_failures{reason}`, and the prefill
-  instance is told at once (RELEASE) so its hold does not wait for its lease. `done_with` tells it when
-  this instance will not pull after all (nothing left to pull, the request ended first).
+  pulls: params checked field by field (`params.py`), a prefill instance this instance may connect to
+  (`trust.py`: signed params with a chunk MAC key, else loopback or `pd_peers`), a loading role, keys for the
+  request, the same TP and chunk size, a model of one KV cache group. A refusal is logged once per reason
+  with what to change, counted in `pd_pull_failures{reason}`, and a trusted prefill instance is told at once
+  (RELEASE) so its hold does not wait for its lease; an untrusted or malformed one is sent nothing. `done_with`
+  tells it when this instance will not pull after all (nothing left to pull, the request ended first).
 The releases and dropped holds reach the workers with the next step's metadata (`take_into`).
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PeerSpec
@@ -26,7 +29,8 @@ from lmcache_vllm.integration.vllm.pd.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from lmcache_vllm.observability import metrics
+from lmcache_vllm.integration.vllm.pd.trust import PeerTrust
+from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -37,14 +41,19 @@ _ANSWERED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # statuses of a pref
 
 
 def peer_spec(remote: RemotePrefill) -> PeerSpec:
-    return PeerSpec(remote.req_id, remote.host, remote.ports)
+    """The workers' spec of an admitted `remote` (`PeerTrust.admit`): its checked address, not its name."""
+    return PeerSpec(remote.req_id, remote.address, remote.ports, remote.label)
 
 
 class PDScheduler:
-    """See the module docstring. `ask_ports()` asks the workers for their transfer ports (None: no answer)."""
+    """See the module docstring. `ask_ports()` asks the workers for their transfer ports (None: no answer).
+    `trust`: which prefill instances this one pulls from (default: loopback only, no key); with its MAC key
+    this instance signs its own params for `trust.scope`, valid for `hold_s`. `grouped`: a model of several
+    KV cache groups (no PD on the decode side)."""
 
     def __init__(self, *, engine_id: str, host: str, chunk_size: int, tp_size: int,
-                 ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool):
+                 ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool,
+                 trust: PeerTrust | None = None, hold_s: float = 30.0, grouped: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.chunk_size = chunk_size
@@ -52,6 +61,9 @@ class PDScheduler:
         self._ask_ports = ask_ports
         self.can_load = can_load
         self.can_save = can_save
+        self.trust = trust if trust is not None else PeerTrust()
+        self.hold_s = hold_s
+        self.grouped = grouped
         self._ports: list[int] | None = None
         self._warned: set[str] = set()
         self._releases: list[PeerSpec] = []
@@ -69,7 +81,7 @@ class PDScheduler:
         if not self.can_save or not cacheable:
             self._warn_once("cannot_hold", "request %s asks for a remote decode, but this instance %s: it "
                             "answers without kv_transfer_params and the decode instance recomputes the prompt",
-                            request.request_id, "does not save (kv_consumer)" if not self.can_save else
+                            logs.peer_text(request.request_id), "does not save (kv_consumer)" if not self.can_save else
                             "cannot name its KV in keys (see uncacheable_requests)")
             return False
         return True
@@ -91,11 +103,13 @@ class PDScheduler:
             self._unholds.append(request.request_id)
             if request.status.name in _ANSWERED:
                 self._warn_once("no_ports", "request %s: the workers did not say their KV transfer ports; "
-                                "answered without kv_transfer_params", request.request_id)
+                                "answered without kv_transfer_params", logs.peer_text(request.request_id))
             return None
         metrics.inc("pd_prefill_requests")
+        mac = self.trust.mac
         return prefill_params(engine_id=self.engine_id, req_id=request.request_id, host=self.host, ports=ports,
-                              num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size)
+                              num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size, mac=mac,
+                              scope=self.trust.scope, expires=int(time.time() + self.hold_s) if mac else None)
 
     # ------------------------------------------------------------------ decode side
     def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:
@@ -104,14 +118,17 @@ class PDScheduler:
         if params is None or not wants_remote_prefill(params):
             return None
         try:
-            remote = parse_remote_prefill(params)
+            remote = self.trust.admit(parse_remote_prefill(params))
         except PDRefusal as refusal:
-            self._refused(request, refusal)
+            self._refused(request, refusal)  # nothing is sent to a peer not admitted, not even a RELEASE
             return None
         try:
             check_compatible(remote, tp_size=self.tp_size, chunk_size=self.chunk_size)
             if not self.can_load:
                 raise PDRefusal("role", "this instance does not load (kv_producer)")
+            if self.grouped:
+                raise PDRefusal("hybrid", "this model has several KV cache groups (a hybrid model): "
+                                          "lmcache-vllm pulls only models of one group from a prefill instance")
             if not cacheable:
                 raise PDRefusal("uncacheable", "the request's KV cannot be named in keys here (see "
                                                "uncacheable_requests)")
@@ -124,17 +141,17 @@ class PDScheduler:
     def _refused(self, request: "Request", refusal: PDRefusal) -> None:
         metrics.inc("pd_pull_failures", reason=refusal.reason)
         self._warn_once(refusal.reason, "request %s: KV of its remote prefill not pulled, the prompt is "
-                        "recomputed here: %s", request.request_id, refusal)
+                        "recomputed here: %s", logs.peer_text(request.request_id), refusal)
 
     def abandoned(self, request: "Request") -> None:
         """A request that asked for a remote prefill ended before it was looked at (vLLM's API server
-        refused it): the prefill instance may drop its hold."""
+        refused it): the prefill instance may drop its hold, if it is one this instance trusts."""
         params = request.kv_transfer_params
         if params is not None and wants_remote_prefill(params):
             try:
-                self.done_with(parse_remote_prefill(params))
+                self.done_with(self.trust.admit(parse_remote_prefill(params)))
             except PDRefusal:
-                pass  # no address to tell
+                pass  # no address to tell, or not one to send anything to
 
     def done_with(self, remote: RemotePrefill) -> None:
         """This instance will not pull `remote` after all: the prefill instance may drop its hold."""

@@ -83,15 +83,27 @@ class PeerTransfer:
                 self.holds.release(req_id)
 
     # ------------------------------------------------------------------ decode side
-    def open_peer(self, spec: PeerSpec) -> PeerTier:
-        port = spec.ports[self.tp_rank]  # the scheduler refuses other TP sizes
-        return PeerTier(PeerSource(spec.host, port, spec.req_id), timeout_s=self.pull_timeout_s, mac=self.mac)
+    def open_peer(self, spec: PeerSpec) -> PeerTier | None:
+        """The tier of this rank's prefill rank (None, logged, when the spec is not one to connect to: the
+        scheduler admits only checked, trusted peers, so that is a bug, and the load then misses)."""
+        try:
+            port = spec.ports[self.tp_rank]  # the scheduler refuses other TP sizes
+            source = PeerSource(spec.host, port, spec.req_id, spec.label)
+        except (IndexError, ValueError) as exc:
+            logs.warn(logger, "pd_bad_spec", "not pulling from %s: %s", logs.peer_text(spec.host), exc)
+            return None
+        return PeerTier(source, timeout_s=self.pull_timeout_s, mac=self.mac)
 
     def release(self, specs: Iterable[PeerSpec]) -> None:
         for spec in specs:
             for rank, port in enumerate(spec.ports):
                 if rank % self.tp_size == self.tp_rank:
-                    send_release(PeerSource(spec.host, port, spec.req_id), self.mac)
+                    try:
+                        source = PeerSource(spec.host, port, spec.req_id, spec.label)
+                    except ValueError as exc:
+                        logs.warn(logger, "pd_bad_spec", "no RELEASE to %s: %s", logs.peer_text(spec.host), exc)
+                        continue
+                    send_release(source, self.mac)
 
     def close(self) -> None:
         if self.server is not None:

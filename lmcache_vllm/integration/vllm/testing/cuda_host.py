@@ -121,7 +121,7 @@ class _PagedArgs(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("stride_block", ctypes.c_int64),
                 ("stride_head", ctypes.c_int64), ("stride_token", ctypes.c_int64), ("piece_bytes", ctypes.c_int64),
                 ("slots", ctypes.c_void_p), ("num_tokens", ctypes.c_int64), ("chunk", ctypes.c_void_p),
-                ("bases_or", ctypes.c_uint64)]
+                ("bases_or", ctypes.c_uint64), ("bad_slot", ctypes.c_void_p)]
 
 
 @dataclass
@@ -166,9 +166,15 @@ class HostKernel:
         args, keep_alive, error = self._args(list(caches), slots, chunk, layout, block_size)
         if error:
             return error
+        bad = ctypes.c_int64(-1)  # where the kernel reports a slot beyond the cache (read at once: a host launch)
+        args.bad_slot = ctypes.addressof(bad)
         rc = fn(ctypes.byref(args), None)
         del keep_alive  # the layer pointer array, read by the (synchronous) emulated launch
-        return "" if rc == 0 else f"_cuda_ops (host emulation): {self.library.lmc_last_error().decode()}"
+        if rc != 0:
+            return f"_cuda_ops (host emulation): {self.library.lmc_last_error().decode()}"
+        if bad.value >= 0:
+            return f"_cuda_ops (host emulation): slot {bad.value} beyond the cache's {args.num_slots} slots"
+        return ""
 
     def _args(self, caches: list[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor, layout: int,
               block_size: int) -> tuple[_PagedArgs, torch.Tensor | None, str]:
