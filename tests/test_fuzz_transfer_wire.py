@@ -137,7 +137,9 @@ def _damaged(draw, index: int, t: torch.Tensor) -> bytes:
         other = torch.zeros(shape, dtype=dtype) if dtype != t.dtype or shape != SHAPE else t.float()
         return wire.frame_bytes(wire.chunk_reply(index, key(index), other))
     if kind == "err_text":
-        return wire.frame_bytes(wire.error_reply(draw(st.binary(max_size=64)), draw(st.text(max_size=64))))
+        # Any code a peer may send, not only ours (`error_reply` builds only known codes).
+        code, text = draw(st.binary(max_size=64)), draw(st.text(max_size=64))
+        return wire.frame_bytes([wire.PROTOCOL, wire.ERR, code, text.encode("utf-8")])
     if kind == "random":
         return wire.frame_bytes(draw(st.lists(_frame, min_size=1, max_size=7)))
     if kind == "raw":

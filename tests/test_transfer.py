@@ -440,7 +440,8 @@ def test_a_peers_error_text_is_escaped_in_the_log(caplog):
         with conn:
             recv_request(conn)
             detail = "nope\r\n2026-01-01 WARNING forged line\x1b[2J"
-            conn.sendall(wire.frame_bytes(wire.error_reply(b"evil\ncode", detail)))
+            # A code we never send (`error_reply` builds only ours): what a lying peer can send.
+            conn.sendall(wire.frame_bytes([wire.PROTOCOL, wire.ERR, b"evil\ncode", detail.encode()]))
             time.sleep(0.2)
 
     thread = threading.Thread(target=answer, daemon=True)
