@@ -5,7 +5,10 @@ A request sent to the prefill instance P carries `{"do_remote_decode": true, ...
 sends `do_remote_prefill: false` and null `remote_*` fields); P answers with `prefill_params(...)`: vLLM's
 field names (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_host`, `remote_port`,
 `tp_size`, `remote_num_tokens`) plus ours under `PARAMS_KEY` (protocol version, every TP rank's port, chunk
-size). The decode instance D gets that dict back from the proxy and `parse_remote_prefill` turns it into a
+size). Beside another connector of a MultiConnector that may answer kv_transfer_params too (`namespaced`), P
+puts all of it under `PARAMS_KEY` only, vLLM's field names included, so no key of the answer is shared (vLLM's
+MultiConnector raises on a shared key); D reads either form. The decode instance D gets that dict back from the
+proxy and `parse_remote_prefill` turns it into a
 `RemotePrefill`, or says in one `PDRefusal` why it cannot pull (and the request is recomputed): params of
 another connector, a broken dict, another protocol version, TP size or chunk size. Plain dicts in, plain
 dicts out: no vLLM import.
@@ -48,21 +51,31 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
 
 
+def _namespaced(params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Our params when they came in the namespaced form (everything under `PARAMS_KEY`), else None."""
+    ours = params.get(PARAMS_KEY)
+    return ours if isinstance(ours, Mapping) and ours.get("do_remote_prefill") else None
+
+
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    """The decode side: this request's KV was computed by a prefill instance."""
-    return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
+    """The decode side: this request's KV was computed by a prefill instance (either form of the params)."""
+    if not params:
+        return False
+    return bool(params.get("do_remote_prefill")) or _namespaced(params) is not None
 
 
 def prefill_params(*, engine_id: str, req_id: str, host: str, ports: list[int], num_tokens: int,
-                   chunk_size: int) -> dict[str, Any]:
-    """What the prefill instance returns from `request_finished` for vLLM to put into its answer."""
-    return {
+                   chunk_size: int, namespaced: bool = False) -> dict[str, Any]:
+    """What the prefill instance returns from `request_finished` for vLLM to put into its answer (`namespaced`:
+    all of it under `PARAMS_KEY`)."""
+    vllm_fields = {
         "do_remote_prefill": True, "do_remote_decode": False,
         "remote_engine_id": engine_id, "remote_request_id": req_id,
         "remote_host": host, "remote_port": ports[0], "tp_size": len(ports),
         "remote_num_tokens": num_tokens, "remote_block_ids": None,
-        PARAMS_KEY: {"version": PROTOCOL_VERSION, "ports": list(ports), "chunk_size": chunk_size},
     }
+    ours = {"version": PROTOCOL_VERSION, "ports": list(ports), "chunk_size": chunk_size}
+    return {PARAMS_KEY: {**vllm_fields, **ours}} if namespaced else {**vllm_fields, PARAMS_KEY: ours}
 
 
 def _int(value: Any, low: int, high: int) -> int:
@@ -73,7 +86,10 @@ def _int(value: Any, low: int, high: int) -> int:
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """The decode side's `RemotePrefill` of `params` (which ask for a remote prefill), or `PDRefusal`."""
-    ours = params.get(PARAMS_KEY)
+    namespaced = _namespaced(params)
+    if namespaced is not None:  # vLLM's fields and ours side by side under our key
+        params = namespaced
+    ours = namespaced if namespaced is not None else params.get(PARAMS_KEY)
     if not isinstance(ours, Mapping):
         raise PDRefusal("bad_params", "kv_transfer_params name no lmcache-vllm prefill instance (another "
                                       "connector's params?)")

@@ -2,8 +2,9 @@
 
 - Prefill side (`do_remote_decode`): the request holds (`should_hold`: a saving role and keys for it); in the
   step its prompt completes the scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts
-  into the answer (P's address, every TP rank's transfer port, asked from the workers once) or, for an
-  aborted request, drops the hold.
+  into the answer (P's address, every TP rank's transfer port, asked from the workers once; all under our own
+  key with `namespaced_params`, beside another connector of a MultiConnector) or, for an aborted request,
+  drops the hold.
 - Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
   pulls (a loading role, keys for the request, the same TP and chunk size, lmcache-vllm params); a refusal
   is logged once per reason with what to change, counted in `pd_pull_failures{reason}`, and the prefill
@@ -44,7 +45,8 @@ class PDScheduler:
     """See the module docstring. `ask_ports()` asks the workers for their transfer ports (None: no answer)."""
 
     def __init__(self, *, engine_id: str, host: str, chunk_size: int, tp_size: int,
-                 ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool):
+                 ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool,
+                 namespaced_params: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.chunk_size = chunk_size
@@ -52,6 +54,7 @@ class PDScheduler:
         self._ask_ports = ask_ports
         self.can_load = can_load
         self.can_save = can_save
+        self.namespaced_params = namespaced_params
         self._ports: list[int] | None = None
         self._warned: set[str] = set()
         self._releases: list[PeerSpec] = []
@@ -95,7 +98,8 @@ class PDScheduler:
             return None
         metrics.inc("pd_prefill_requests")
         return prefill_params(engine_id=self.engine_id, req_id=request.request_id, host=self.host, ports=ports,
-                              num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size)
+                              num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size,
+                              namespaced=self.namespaced_params)
 
     # ------------------------------------------------------------------ decode side
     def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:
