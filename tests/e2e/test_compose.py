@@ -19,7 +19,6 @@ nothing, it empties its directory.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -27,10 +26,11 @@ from pathlib import Path
 
 import e2e_harness as h
 import pytest
-from test_pd_protocol import metric, nudge_and_scrape, peer_hits, start_proxy, tokens_of
+
+# toy_proxy: test_pd_protocol's fixture (vLLM's own toy proxy) in front of this module's prefill and decode
+from test_pd_protocol import metric, nudge_and_scrape, peer_hits, tokens_of, toy_proxy  # noqa: F401
 
 from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, scrape, serve
-from lmcache_vllm.integration.vllm.testing.vllm_sources import TOY_PROXY, SourceUnavailable, vllm_source_file
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -118,22 +118,6 @@ def decode(tiny_model, tmp_path_factory, prefill):
         yield server
 
 
-@pytest.fixture(scope="module")
-def toy_proxy(prefill, decode, tmp_path_factory):
-    """vLLM's own toy proxy, unchanged, from the sdist of the installed vLLM (PyPI; CI must reach it)."""
-    try:
-        script = vllm_source_file(TOY_PROXY)
-    except SourceUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM's toy proxy is needed in CI: {exc}")
-        pytest.skip(f"vLLM's toy proxy unavailable here: {exc}")
-    proc, base = start_proxy(prefill[0], int(decode[0].rsplit(":", 1)[1]),
-                             tmp_path_factory.mktemp("e2e_compose_toy"), script)
-    yield base
-    proc.kill()
-    proc.wait(10)
-
-
 def assert_clean_log(log: Path) -> str:
     text = Path(log).read_text()
     assert "Traceback" not in text and "is not registered" not in text, text[-6000:]
@@ -214,7 +198,8 @@ def test_max_load_tokens_zero_disables_our_load_for_one_request(server_a, refere
 
 
 # ---------------------------------------------------------------- P and D: ours the only PD child
-def test_pd_through_multiconnector_driven_by_vllms_toy_proxy(toy_proxy, prefill, decode, reference, tiny_model):
+def test_pd_through_multiconnector_driven_by_vllms_toy_proxy(toy_proxy, prefill, decode, reference,  # noqa: F811
+                                                             tiny_model):
     d0 = scrape(decode[0])
     answer = post(f"{toy_proxy}/v1/completions", body(tiny_model, PD_PROMPT))
     assert tokens_of(answer) == reference["pd"]["tokens"]  # D loaded all PD_LEN tokens, computed the last
