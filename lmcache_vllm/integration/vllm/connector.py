@@ -123,7 +123,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = load_config(overrides=dict(transfer.kv_connector_extra_config or {}))
-        check_vllm_version(vllm_version, allow_untested=self.config.extra_config.allow_untested_vllm)
+        check_vllm_version(vllm_version, allow_untested=self.config.extra_config.allow_untested_vllm,
+                           warn=role == KVConnectorRole.SCHEDULER)
         composition = find_composition(vllm_config)
         pd_on = composition.pd_enabled(self.config.extra_config.pd)
         kv_role = transfer.kv_role or "kv_both"
