@@ -7,7 +7,7 @@ from lmcache_vllm.observability import kv_events
 
 
 def _events(kind=None):
-    return [(e.stored, e.medium, e.digest, e.parent, e.token_ids) for e in kv_events.RECORDER.take()]
+    return [(e.stored, e.tier, e.digest, e.parent, e.token_ids) for e in kv_events.RECORDER.take()]
 
 
 def test_off_by_default_records_nothing():
@@ -28,22 +28,22 @@ def test_store_write_through_eviction_and_reset_are_events(tmp_path):
         assert engine.storage.flush()
         events = _events()
         digests = [c.key.digest for c in engine._chunks(tokens, False, None)]
-        stored_cpu = [e for e in events if e[0] and e[1] == "cpu"]
+        stored_cpu = [e for e in events if e[0] and e[1] == "local_cpu"]
         assert [(e[2], e[3], e[4]) for e in stored_cpu] == [
             (digests[0], None, tuple(tokens[:CHUNK])), (digests[1], digests[0], tuple(tokens[CHUNK:]))]
-        assert sorted(e[2] for e in events if e[0] and e[1] == "disk") == sorted(digests)
+        assert sorted(e[2] for e in events if e[0] and e[1] == "local_disk") == sorted(digests)
         assert all(e[4] for e in events)  # token ids known: this process stored them
 
         assert engine.clear(lower_tiers=False)  # a reset of L1: removed from cpu only
-        assert sorted((e[0], e[1], e[2]) for e in _events()) == sorted((False, "cpu", d) for d in digests)
+        assert sorted((e[0], e[1], e[2]) for e in _events()) == sorted((False, "local_cpu", d) for d in digests)
         # a load from disk lands in L1 again: stored on cpu, with the token ids
         dst = make_caches(False)
         assert engine.retrieve(tokens, dst, slots_for(2 * CHUNK, seed=2)).all()
-        assert [(e[0], e[1], e[4]) for e in _events()] == [(True, "cpu", tuple(tokens[:CHUNK])),
-                                                          (True, "cpu", tuple(tokens[CHUNK:]))]
+        assert [(e[0], e[1], e[4]) for e in _events()] == [(True, "local_cpu", tuple(tokens[:CHUNK])),
+                                                          (True, "local_cpu", tuple(tokens[CHUNK:]))]
         assert engine.clear()
         removed = _events()
-        assert {e[1] for e in removed} == {"cpu", "disk"} and not any(e[0] for e in removed)
+        assert {e[1] for e in removed} == {"local_cpu", "local_disk"} and not any(e[0] for e in removed)
     finally:
         engine.close()
 
@@ -58,39 +58,72 @@ def test_disk_reindex_at_start_reports_what_it_found(tmp_path):
     restarted = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.01)
     try:
         events = _events()
-        assert len(events) == 3 and all(e[0] and e[1] == "disk" and e[4] == () for e in events)
+        assert len(events) == 3 and all(e[0] and e[1] == "local_disk" and e[4] == () for e in events)
     finally:
         restarted.close()
 
 
-def test_scheduler_releases_an_event_once_every_rank_reported_it():
+def test_events_name_vllms_medium_and_our_tier():
+    """Routers filter on vLLM's mediums (GPU / CPU / STORAGE): L1 is CPU, disk and Redis STORAGE; our tier goes
+    into `ownership`, vLLM's field for the secondary tier that produced an event."""
     pytest.importorskip("vllm")
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
-    from lmcache_vllm.integration.vllm.events import LMCacheVllmKVEvents, SchedulerEvents, to_vllm
+    from lmcache_vllm.integration.vllm.events import to_vllm
 
-    stored = kv_events.ChunkEvent(True, b"\x01" * 16, "cpu", None, (1, 2, 3))
-    removed = kv_events.ChunkEvent(False, b"\x02" * 16, "disk")
-    a, b = to_vllm(stored, 256), to_vllm(removed, 256)
-    assert isinstance(a, BlockStored) and a.block_hashes == [b"\x01" * 16] and a.block_size == 3
-    assert a.medium == "cpu" and a.token_ids == [1, 2, 3] and a.parent_block_hash is None
-    assert isinstance(b, BlockRemoved) and b.medium == "disk"
+    want = {"local_cpu": (MEDIUM_CPU, "LOCAL"), "local_disk": (MEDIUM_STORAGE, "LOCAL"),
+            "redis": (MEDIUM_STORAGE, "REMOTE")}
+    for tier, (medium, locality) in want.items():
+        stored = to_vllm(kv_events.ChunkEvent(True, b"\x01" * 16, tier, b"\x00" * 16, (1, 2, 3)), 256)
+        removed = to_vllm(kv_events.ChunkEvent(False, b"\x02" * 16, tier), 256)
+        assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+        for event in (stored, removed):
+            assert (event.medium, event.locality, event.ownership) == (medium, locality, tier)
+        assert stored.block_hashes == [b"\x01" * 16] and stored.parent_block_hash == b"\x00" * 16
+        assert stored.token_ids == [1, 2, 3] and stored.block_size == 3 and stored.lora_id is None
+    unknown_tokens = to_vllm(kv_events.ChunkEvent(True, b"\x03" * 16, "local_disk"), 256)
+    assert unknown_tokens.token_ids == [] and unknown_tokens.block_size == 256
 
-    def container(*events):
-        c = LMCacheVllmKVEvents()
-        c.add_events(list(events))
-        return c
+
+def test_scheduler_releases_an_event_once_every_rank_reported_it():
+    """Workers hand their events over as connector worker metadata (what vLLM's MultiConnector forwards to each
+    child); vLLM aggregates the ranks' metadata; a chunk counts once every rank reported it."""
+    pytest.importorskip("vllm")
+
+    from lmcache_vllm.integration.vllm.events import LMCacheWorkerEvents, SchedulerEvents, take_worker_events, to_vllm
+
+    a = to_vllm(kv_events.ChunkEvent(True, b"\x01" * 16, "local_cpu", None, (1, 2, 3)), 256)
+    b = to_vllm(kv_events.ChunkEvent(False, b"\x02" * 16, "local_disk"), 256)
+
+    def rank(*events):
+        return LMCacheWorkerEvents(list(events))
 
     sched = SchedulerEvents(world_size=2)
-    sched.add(container(a, b))  # rank 0, step 1
+    sched.add(rank(a, b))  # rank 0, step 1 (rank 1 reported nothing yet)
     assert sched.take() == []
-    step2 = container(a)  # rank 1 stores a one step later (background save)
-    sched.add(step2)
+    sched.add(rank(a).aggregate(rank()))  # step 2: rank 1 stores a (a background save), rank 0 nothing
     assert sched.take() == [a]
-    sched.add(container(b))
+    sched.add(rank().aggregate(rank(b)))
     assert sched.take() == [b]
+    both = rank(a).aggregate(rank(a))  # one step, both ranks
+    sched.add(both)
+    assert sched.take() == [a]
     one = SchedulerEvents(world_size=1)
-    one.add(container(a))
+    one.add(rank(a))
     assert one.take() == [a] and one.take() == []
     one.add(None)  # a step without events
     assert one.take() == []
+
+    kv_events.RECORDER.enabled = True
+    assert take_worker_events(256) is None
+    kv_events.RECORDER._add(_a_key(), "redis", True)
+    taken = take_worker_events(256)
+    assert isinstance(taken, LMCacheWorkerEvents) and len(taken.events) == 1
+    assert (taken.events[0].medium, taken.events[0].ownership) == ("STORAGE", "redis")
+
+
+def _a_key() -> str:
+    from lmcache_vllm.tokens import CacheKey
+
+    return CacheKey(model="m", world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=1, digest=b"\x05" * 16,
+                    fingerprint="").to_str()

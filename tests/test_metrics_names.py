@@ -43,6 +43,15 @@ STABLE = [
      ' vLLM ran the other requests that step'),
     ("retrieves_below_minimum", "counter", (),
      'Hits not loaded because they would load fewer new tokens than min_retrieve_tokens (vLLM computed them)'),
+    ("load_limited_requests", "counter", (),
+     "Requests whose kv_transfer_params carried a valid max_load_tokens (vLLM's per-request cap on tokens "
+     "loaded beyond its own prefix cache; 0: no load)"),
+    ("refused_request_params", "counter", ("param",),
+     "Requests with a kv_transfer_params field of ours that was ignored because its value is not accepted "
+     "(param: max_load_tokens)"),
+    ("failed_resets", "counter", (),
+     "Resets (vLLM's /reset_prefix_cache?reset_external=true, its pause with clear_cache) that not every worker "
+     "rank confirmed; vLLM was answered 'nothing to reset'"),
     ("loaded_tokens", "counter", (),
      "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP rank 0)"),
     ("failed_load_tokens", "counter", (),

@@ -115,6 +115,11 @@ class ExtraConfig:
                                              "authentication of the server)",
                                  choices=("required", "optional", "none"))
     # Disaggregated prefill (docs/DISAGGREGATED.md)
+    pd: str = setting("auto", "our part in disaggregated prefill: 'on' (a prefill instance holds for its decode "
+                              "instances, a decode instance pulls), 'off' (kv_transfer_params are ignored: never "
+                              "hold or pull), 'auto' (on, unless another connector of the same MultiConnector "
+                              "does the handoff: NIXL, Mooncake, MoRIIO, P2P NCCL; docs/COMPOSING.md)",
+                      choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     pd_host: Optional[str] = setting(None, "address the KV transfer server of each worker rank binds and a "
                                            "prefill instance names in kv_transfer_params (\"0.0.0.0\": every "
                                            "interface, vLLM's host IP named); null: as vLLM's NIXL connector, "
@@ -164,6 +169,9 @@ class ExtraConfig:
                                              "with one warning (see docs/SECURITY.md)")
     # Configuration itself
     strict_env: bool = setting(False, "an unknown LMCACHE_* environment variable is an error, not a warning")
+    allow_untested_vllm: bool = setting(True, "start on a vLLM release lmcache-vllm is not tested with "
+                                              "(integration/vllm/versions.py) with one warning; false: refuse "
+                                              "to start")
 
     def __post_init__(self) -> None:
         raise_if_any(normalize_fields(self, prefix="extra_config."))

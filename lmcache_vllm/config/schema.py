@@ -74,8 +74,9 @@ class LMCacheConfig:
         "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
         choices=HASH_ALGORITHMS)
     enable_kv_events: bool = setting(
-        False, "KV cache events (BlockStored / BlockRemoved per chunk, medium cpu / disk / redis) through "
-               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on)")
+        False, "KV cache events (BlockStored / BlockRemoved per chunk; vLLM's medium CPU for L1, STORAGE for disk "
+               "and Redis; our tier in ownership) through vLLM's KV event publisher (vLLM's --kv-events-config "
+               "turns publishing on)")
     extra_config: ExtraConfig = setting(
         meaning="lmcache-vllm's own settings (next table; config/extra.py); merged key by key across sources",
         default_factory=ExtraConfig)

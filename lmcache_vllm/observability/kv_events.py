@@ -1,17 +1,18 @@
 """KV cache events of this process for cache-aware routers: which chunks each tier gained or lost.
 
-Off unless `enable_kv_events` (then `RECORDER.enabled` is set by the connector); every call below returns
-at once while off. The tiers report by key string: `stored(key, medium)` when a chunk lands in a tier
-(L1 store or promotion, a disk file written, adopted or re-indexed at start-up, a Redis SET) and
-`removed(key, medium)` when it leaves (eviction, a corrupt entry deleted, a reset). The engine tells
-`note_chunk` the parent digest and token ids of each chunk it stores or loads, so an event carries them
-(a router computes its own block hashes from token ids); a chunk it never saw in this process (found on
-disk at start-up) has none.
+Off unless `enable_kv_events` (then `RECORDER.enabled` is set by the connector); every call below returns at
+once while off. The tiers report by key string and their own name: `stored(key, tier)` when a chunk lands in a
+tier (L1 store or promotion — a chunk pulled from a prefill instance included —, a disk file written, adopted
+or re-indexed at start-up, a Redis SET) and `removed(key, tier)` when it leaves (eviction, a corrupt entry
+deleted, a reset). The engine tells `note_chunk` the parent digest and token ids of each chunk it stores or
+loads, so an event carries them (a router computes its own block hashes from token ids); a chunk it never saw
+in this process (found on disk at start-up) has none.
 
-An event names a chunk by its prefix digest, which is the same on every TP rank, so vLLM can keep the
-events all ranks agree on. The medium is `cpu` (L1), `disk` (L2) or `redis` (L3). Redis' own expiry
-and eviction are not seen. `take()` hands out the events since the last call (the worker connector asks
-every step); at most `MAX_PENDING` wait, older ones are dropped and counted.
+An event names a chunk by its prefix digest, which is the same on every TP rank, so vLLM can keep the events
+all ranks agree on. The tier is a `storage.tier.Tier` name (`local_cpu`, `local_disk`, `redis`);
+integration/vllm/events.py turns it into vLLM's medium and locality. Redis' own expiry and eviction are not
+seen. `take()` hands out the events since the last call (the worker connector asks every step); at most
+`MAX_PENDING` wait, older ones are dropped and counted.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ MAX_NOTED_CHUNKS = 8192  # parent/token ids of recently stored or loaded chunks 
 class ChunkEvent:
     stored: bool  # False: removed
     digest: bytes
-    medium: str
+    tier: str  # storage.tier.Tier value
     parent: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
@@ -51,15 +52,15 @@ class EventRecorder:
             while len(self._noted) > MAX_NOTED_CHUNKS:
                 self._noted.popitem(last=False)
 
-    def stored(self, key: str, medium: str) -> None:
+    def stored(self, key: str, tier: str) -> None:
         if self.enabled:
-            self._add(key, medium, True)
+            self._add(key, tier, True)
 
-    def removed(self, key: str, medium: str) -> None:
+    def removed(self, key: str, tier: str) -> None:
         if self.enabled:
-            self._add(key, medium, False)
+            self._add(key, tier, False)
 
-    def _add(self, key: str, medium: str, stored: bool) -> None:
+    def _add(self, key: str, tier: str, stored: bool) -> None:
         from lmcache_vllm.tokens import CacheKey
 
         try:
@@ -68,7 +69,7 @@ class EventRecorder:
             return  # not a chunk key (tests, tools)
         with self._lock:
             parent, tokens = self._noted.get(digest, (None, ())) if stored else (None, ())
-            self._pending.append(ChunkEvent(stored, digest, medium, parent, tokens))
+            self._pending.append(ChunkEvent(stored, digest, str(tier), parent, tokens))
             if len(self._pending) > MAX_PENDING:
                 drop = len(self._pending) - MAX_PENDING
                 del self._pending[:drop]
@@ -93,9 +94,9 @@ def note_chunk(digest: bytes, parent: bytes | None, token_ids: Iterable[Supports
     RECORDER.note_chunk(digest, parent, token_ids)
 
 
-def stored(key: str, medium: str) -> None:
-    RECORDER.stored(key, medium)
+def stored(key: str, tier: str) -> None:
+    RECORDER.stored(key, tier)
 
 
-def removed(key: str, medium: str) -> None:
-    RECORDER.removed(key, medium)
+def removed(key: str, tier: str) -> None:
+    RECORDER.removed(key, tier)

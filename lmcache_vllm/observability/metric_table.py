@@ -60,6 +60,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "yet where the chunks are; vLLM ran the other requests that step", scope="engine"),
     _c("retrieves_below_minimum", "requests", "Hits not loaded because they would load fewer new tokens "
        "than min_retrieve_tokens (vLLM computed them)", scope="engine"),
+    _c("load_limited_requests", "requests", "Requests whose kv_transfer_params carried a valid max_load_tokens "
+       "(vLLM's per-request cap on tokens loaded beyond its own prefix cache; 0: no load)", scope="engine"),
+    _c("refused_request_params", "requests", "Requests with a kv_transfer_params field of ours that was ignored "
+       "because its value is not accepted (param: max_load_tokens)", ("param",), scope="engine"),
+    _c("failed_resets", "events", "Resets (vLLM's /reset_prefix_cache?reset_external=true, its pause with "
+       "clear_cache) that not every worker rank confirmed; vLLM was answered 'nothing to reset'",
+       scope="engine"),
     # -- worker / engine
     _c("loaded_tokens", "tokens", "Tokens whose KV was loaded into vLLM's paged KV cache (counted on TP "
        "rank 0)", scope="engine"),

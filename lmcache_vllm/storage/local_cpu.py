@@ -66,7 +66,7 @@ class LocalCPUBackend(StorageBackend):
             self._index[key] = obj
             self._key_of[id(obj)] = key
         obj.set_evictor(self._on_evict)
-        kv_events.stored(key, self.name.medium)
+        kv_events.stored(key, self.name)
         metrics.inc("stored_chunks", tier=self.name)
         metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
         return True
@@ -79,7 +79,7 @@ class LocalCPUBackend(StorageBackend):
             self._key_of.pop(id(obj), None)
         obj.clear_evictor()
         obj.ref_down()
-        kv_events.removed(key, self.name.medium)
+        kv_events.removed(key, self.name)
         return True
 
     def clear_sync(self) -> None:
@@ -98,7 +98,7 @@ class LocalCPUBackend(StorageBackend):
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
         metrics.inc("evictions", tier=self.name)
-        kv_events.removed(key, self.name.medium)
+        kv_events.removed(key, self.name)
         obj.ref_down()
 
     # ---- StorageBackend ----------------------------------------------------------------------

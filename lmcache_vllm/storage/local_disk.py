@@ -119,7 +119,7 @@ class LocalDiskBackend(StorageBackend):
         found.sort(key=lambda item: item[0])
         for _, key, name, size in found:
             self._index.add(key, (name, size), mine=True)
-            kv_events.stored(key, self.name.medium)
+            kv_events.stored(key, self.name)
         metrics.inc("reindexed_chunks", len(found), tier=self.name)
         with self._budget.transaction() as usage:
             usage.used = sum(size for _, size in chunk_files_oldest_first(self.path, SUFFIX))
@@ -166,7 +166,7 @@ class LocalDiskBackend(StorageBackend):
         entry, added = self._index.adopt(key, (name, item[3]), writing=writing)
         if added:
             metrics.inc("adopted_chunks", tier=self.name)
-            kv_events.stored(key, self.name.medium)
+            kv_events.stored(key, self.name)
         return entry
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class LocalDiskBackend(StorageBackend):
                 self._budget.release(size)
             key = key_from_filename(name)
             if key is not None:  # (a hashed name's key is in its header: no event)
-                kv_events.removed(key, self.name.medium)
+                kv_events.removed(key, self.name)
         return True
 
     def _drop_corrupt(self, name: str, size: int | None = None) -> None:
@@ -302,7 +302,7 @@ class LocalDiskBackend(StorageBackend):
             ok = await asyncio.wrap_future(cfut)
             if ok:
                 self._index.add(key, (name, size), mine=True)
-                kv_events.stored(key, self.name.medium)
+                kv_events.stored(key, self.name)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
             else:

@@ -1,10 +1,13 @@
 """`Tier`: the kinds of storage a chunk can live in, named once for the whole package.
 
-A tier's value is its name everywhere outside the code: metric labels (`tier="local_disk"`), lookup
-answers, log lines and admin reports. `medium` is the name vLLM's KV cache events use for it (a router
-sees `cpu`, `disk` or `redis`). Order is speed: L1 first, the shared pool last; `PEER` (another vLLM instance's
-L1, pulled for one request in disaggregated prefill: `peer.py`) is never in a lookup answer and comes last so
-the lookup wire's tier codes of the others stay as they were.
+A tier's value is its name everywhere outside the code: metric labels (`tier="local_disk"`), lookup answers,
+log lines and admin reports. `medium` and `locality` are what vLLM's KV cache events say of it
+(vllm/distributed/kv_events.py: routers filter on the medium `GPU`, `CPU` or `STORAGE`): L1 is `CPU`, disk and
+Redis are `STORAGE`, Redis (a fleet's pool) and a peer are `REMOTE` to the instance that reports them; the
+tier itself goes into the events' `ownership`, vLLM's field for a secondary tier's name. Order is speed: L1
+first, the shared pool last; `PEER` (another vLLM instance's L1, pulled for one request in disaggregated
+prefill: `storage/transfer/`) is never in a lookup answer and comes last so the lookup wire's tier codes of
+the others stay as they were.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ class Tier(enum.StrEnum):
     def medium(self) -> str:
         return _MEDIUMS[self]
 
+    @property
+    def locality(self) -> str:
+        return "REMOTE" if self in (Tier.REDIS, Tier.PEER) else "LOCAL"
 
-_MEDIUMS = {Tier.LOCAL_CPU: "cpu", Tier.LOCAL_DISK: "disk", Tier.REDIS: "redis", Tier.PEER: "peer"}
+
+# vLLM's MEDIUM_CPU / MEDIUM_STORAGE (vllm/distributed/kv_events.py), written out: storage/ imports no vLLM.
+_MEDIUMS = {Tier.LOCAL_CPU: "CPU", Tier.LOCAL_DISK: "STORAGE", Tier.REDIS: "STORAGE", Tier.PEER: "CPU"}
 TIER_NAMES: tuple[str, ...] = tuple(t.value for t in Tier)

@@ -139,6 +139,7 @@ def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     base, model, log = server
+    tiers = ("local_cpu", "local_disk", "redis")  # our tier is in ownership; the medium is vLLM's CPU / STORAGE
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(events_endpoint)
@@ -149,21 +150,23 @@ def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         ours: dict[str, list] = {}
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and min(len(ours.get(m, ())) for m in ("cpu", "disk", "redis")) < 2:
+        while time.monotonic() < deadline and min(len(ours.get(t, ())) for t in tiers) < 2:
             if sub.poll(500):
                 _, _, payload = sub.recv_multipart()
                 for event in decoder.decode(payload).events:
-                    if isinstance(event, BlockStored) and event.medium in ("cpu", "disk", "redis"):
-                        ours.setdefault(event.medium, []).append(event)
+                    if isinstance(event, BlockStored) and event.ownership in tiers:
+                        ours.setdefault(event.ownership, []).append(event)
             else:
                 _completion(base, model, h.random_tokens(46, 10))  # a step: worker events reach vLLM
     finally:
         sub.close(linger=0)
-    assert all(len(ours.get(m, ())) >= 2 for m in ("cpu", "disk", "redis")), (ours, log)
-    first, second = ours["cpu"][:2]
+    assert all(len(ours.get(t, ())) >= 2 for t in tiers), (ours, log)
+    assert {(t, e.medium, e.locality) for t in tiers for e in ours[t]} == {
+        ("local_cpu", "CPU", "LOCAL"), ("local_disk", "STORAGE", "LOCAL"), ("redis", "STORAGE", "REMOTE")}
+    first, second = ours["local_cpu"][:2]
     assert first.token_ids == prompt[:256] and first.parent_block_hash is None and first.block_size == 256
     assert second.token_ids == prompt[256:512] and second.parent_block_hash == first.block_hashes[0]
-    assert {e.block_hashes[0] for e in ours["disk"]} == {first.block_hashes[0], second.block_hashes[0]}
+    assert {e.block_hashes[0] for e in ours["local_disk"]} == {first.block_hashes[0], second.block_hashes[0]}
 
 
 def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):

@@ -17,6 +17,10 @@ two talk only through `LMCacheConnectorMetadata` and the lookup sockets of `look
 It is a `SupportsHMA` connector, so vLLM keeps its hybrid KV cache manager on for models with several KV
 cache groups (sliding window, Mamba / linear attention): `groups.py` plans the groups, keys and chunks
 carry the group, a hit is what every group can serve (docs/MODELS.md).
+
+Importing this module registers the class with vLLM's `KVConnectorFactory` by name, and it can be one child of
+vLLM's `MultiConnector` (`composition.py`, docs/COMPOSING.md). On a vLLM release not in
+`versions.TESTED_VLLM_VERSIONS` it warns once at start (or refuses, `extra_config.allow_untested_vllm: false`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+from vllm import __version__ as vllm_version
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -34,6 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.cpu_affinity import set_background_cpus
+from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
 from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
@@ -46,6 +52,7 @@ from lmcache_vllm.integration.vllm.pd.trust import PeerTrust, host_warnings, pd_
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.threads import background_cpus_for
+from lmcache_vllm.integration.vllm.versions import check_vllm_version
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.tier import Tier
@@ -53,7 +60,10 @@ from lmcache_vllm.storage.tier import Tier
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+        KVConnectorWorkerMetadata,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -126,6 +136,10 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = load_config(overrides=dict(transfer.kv_connector_extra_config or {}))
+        check_vllm_version(vllm_version, allow_untested=self.config.extra_config.allow_untested_vllm,
+                           warn=role == KVConnectorRole.SCHEDULER)
+        composition = find_composition(vllm_config)
+        pd_on = composition.pd_enabled(self.config.extra_config.pd)
         kv_role = transfer.kv_role or "kv_both"
         self.can_load = kv_role in _LOADING_ROLES
         self.can_save = kv_role in _SAVING_ROLES
@@ -135,10 +149,16 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("LMCacheConnector does not cache this model: %s", plan.disabled)
             self.can_load = self.can_save = False
         if transfer.kv_load_failure_policy != "recompute":
-            # A cache miss must never fail a request: a chunk that cannot be loaded is recomputed.
+            # A cache miss must never fail a request: a chunk that cannot be loaded is recomputed. (Inside a
+            # MultiConnector this is the child's copy, which vLLM does not read: warned about below.)
             logger.info("LMCacheConnector sets kv_load_failure_policy='recompute' (was %r)",
                         transfer.kv_load_failure_policy)
             transfer.kv_load_failure_policy = "recompute"
+        if role == KVConnectorRole.SCHEDULER:  # once per engine
+            if (policy_warning := composition.load_policy_warning()) is not None:
+                logger.warning(policy_warning)
+            if composition.in_multi or self.config.extra_config.pd != "auto":
+                logger.info("LMCacheConnector: %s", composition.describe_pd(self.config.extra_config.pd))
         block_size = vllm_config.cache_config.block_size
         sizes = check_supported(vllm_config)  # PP / DCP / PCP > 1: refused here, with the reason
         world_size = sizes.tp_size
@@ -154,8 +174,9 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                              chunk_size=self.config.chunk_size, tp_size=world_size,
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
                              can_save=self.can_save, trust=pd_trust(self.config, vllm_config, world_size),
-                             hold_s=self.config.extra_config.pd_hold_secs, grouped=plan.multi)
-            if self.can_save:
+                             hold_s=self.config.extra_config.pd_hold_secs, grouped=plan.multi,
+                             namespaced_params=composition.namespaced_params) if pd_on else None
+            if pd is not None and self.can_save:
                 for warning in host_warnings(pd.host):
                     logger.warning(warning)
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
@@ -190,7 +211,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 # Every role serves the lookup channel: its commands (reset, the transfer ports) too.
                 lookup_address=layout.lookup_address(instance_id),
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
-                failure_agreement=TPFailureAgreement(layout.tp_size), peer_factory=peer_transfer)
+                failure_agreement=TPFailureAgreement(layout.tp_size),
+                peer_factory=peer_transfer if pd_on else None)
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)
@@ -285,14 +307,15 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return results
 
     # ============================================================== KV events (events.py)
-    def get_kv_connector_kv_cache_events(self):
+    def build_connector_worker_meta(self) -> "KVConnectorWorkerMetadata | None":
+        # The worker metadata, not get_kv_connector_kv_cache_events: MultiConnector forwards only this.
         if self._worker is None or not self.config.enable_kv_events:
             return None
         return take_worker_events(self.config.chunk_size)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self._events is not None:
-            self._events.add(connector_output.kv_cache_events)
+            self._events.add(connector_output.kv_connector_worker_meta)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         return self._events.take() if self._events is not None else ()
@@ -348,11 +371,25 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return {s: n for s, n in sources.items() if n}
 
-    def reset_cache(self) -> bool:
-        """vLLM's `/reset_prefix_cache?reset_external=true`: every worker rank empties its L1 (and L2/L3
-        with extra_config.reset_lower_tiers); True when all did."""
+    def reset_cache(self) -> bool | None:
+        """vLLM's `/reset_prefix_cache?reset_external=true` and its pause with `clear_cache`: every worker rank
+        empties its L1 (and L2/L3 with extra_config.reset_lower_tiers). True when all did; when not, None (what
+        vLLM's base class answers for a connector without a reset) rather than False, which vLLM 0.32 / 0.33 turn
+        into a RuntimeError in their pause (`pause_generation(clear_cache=True)`). The failure is logged and
+        counted (`failed_resets`); the chunks not dropped may still be served."""
         command = "reset_all" if self.config.extra_config.reset_lower_tiers else "reset_l1"
-        results = self._scheduler.lookup_client.command(command)
-        ok = results is not None and all(r == 1 for r in results)
-        logger.info("LMCache reset (%s): %s", command, "done" if ok else f"failed ({results})")
-        return ok
+        try:
+            results = self._scheduler.lookup_client.command(command) if self._scheduler is not None else None
+        except Exception:  # never into vLLM's pause
+            logger.exception("LMCache reset (%s) failed", command)
+            results = None
+        if results is not None and all(r == 1 for r in results):
+            logger.info("LMCache reset (%s): done", command)
+            return True
+        metrics.inc("failed_resets")
+        logger.warning("LMCache reset (%s) failed (worker answers: %s): chunks it did not drop may still be "
+                       "served; vLLM is told there was nothing to reset, so its own reset goes on", command, results)
+        return None
+
+
+register_connector()  # a name lookup (MultiConnector's stats in the API server) finds us in this process

@@ -1,9 +1,11 @@
 """What the scheduler half keeps per live request (`RequestTracker`: its token array, blocks, saved
-position, planned load and disaggregated-prefill state) and the chunk arithmetic its rules use."""
+position, planned load, load limit and disaggregated-prefill state), the chunk arithmetic its rules use, and
+`max_load_tokens_of`: the request's own cap on what is loaded for it."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -11,9 +13,13 @@ from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer
 from lmcache_vllm.integration.vllm.metadata import PeerSpec
 from lmcache_vllm.integration.vllm.pd.params import RemotePrefill
+from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+MAX_LOAD_TOKENS = "max_load_tokens"
 
 
 def floor_to(n: int, multiple: int) -> int:
@@ -22,6 +28,23 @@ def floor_to(n: int, multiple: int) -> int:
 
 def ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def max_load_tokens_of(req_id: str, params: Mapping[str, Any] | None) -> int | None:
+    """The request's `max_load_tokens` (vLLM's OffloadingConnector convention in 0.32 / 0.33: at most that many
+    tokens are loaded beyond vLLM's own prefix-cache hit, in whole chunks; 0: nothing) or None (no cap). A value
+    that is not a non-negative integer (a bool is not one) is ignored, logged and counted (refused_request_params):
+    any client can send kv_transfer_params."""
+    raw = params.get(MAX_LOAD_TOKENS) if isinstance(params, Mapping) else None
+    if raw is None:
+        return None
+    if type(raw) is int and raw >= 0:
+        metrics.inc("load_limited_requests")
+        return raw
+    metrics.inc("refused_request_params", param=MAX_LOAD_TOKENS)
+    logs.warn(logger, "refused_max_load_tokens", "request %s: kv_transfer_params max_load_tokens=%.40r is not a "
+              "non-negative integer; ignored (no cap)", req_id, raw)
+    return None
 
 
 @dataclass
@@ -53,6 +76,7 @@ class RequestTracker:
         self.uncacheable = uncacheable
         self.hit_sources: dict[str, int] = {}  # tokens of the last planned load, by the tier holding them
         self.saves_emitted = 0
+        self.max_load_tokens: int | None = None  # the request's cap on loaded tokens (None: none)
         self._token_array = np.empty(0, dtype=np.int64)
         # Disaggregated prefill. Prefill side: hold the prompt's chunks for a decode instance (and whether
         # the hold went out). Decode side: where the prompt's KV waits, whether this instance still has to

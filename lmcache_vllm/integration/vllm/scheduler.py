@@ -17,7 +17,9 @@ Rules:
 - Keys cover what besides token ids decides the KV (LoRA, multimodal items, cache salt, prompt
   embeddings: `request_keys.py`); the request's `ExtraKeys` go with every lookup, load and save. A
   request whose extra keys cannot be derived is neither looked up nor saved (`uncacheable_requests`).
-- Only tokens beyond vLLM's own prefix-cache hit (`num_computed_tokens`) are loaded.
+- Only tokens beyond vLLM's own prefix-cache hit (`num_computed_tokens`) are loaded; a request's own
+  `max_load_tokens` (kv_transfer_params, vLLM's OffloadingConnector convention) caps them in whole chunks
+  (0: no lookup, no load), for that request only.
 - A hit covering the whole sequence leaves its last token to vLLM, which needs that token's logits.
 - Saves cover whole chunks as soon as their KV is computed (chunked prefill saves step by step); a
   partial last chunk of the prompt only with `save_unfull_chunk`; KV of generated tokens only with
@@ -48,7 +50,14 @@ from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, Loa
 from lmcache_vllm.integration.vllm.pd.params import wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
-from lmcache_vllm.integration.vllm.request_tracker import PendingLoad, RequestLookup, RequestTracker, ceil_to, floor_to
+from lmcache_vllm.integration.vllm.request_tracker import (
+    PendingLoad,
+    RequestLookup,
+    RequestTracker,
+    ceil_to,
+    floor_to,
+    max_load_tokens_of,
+)
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.tier import Tier
 
@@ -105,7 +114,7 @@ class SchedulerHalf:
         if num_tokens < self.chunk_size and not self.save_unfull_chunk:
             return 0, False  # nothing this short is ever stored
         tracker = self._tracker(request)
-        if tracker.extra is None:
+        if tracker.extra is None or tracker.max_load_tokens == 0:
             return 0, False
         lookup = self._lookups.get(request.request_id)
         if lookup is None or lookup.answer.pending or num_computed_tokens < lookup.answer.start:
@@ -122,6 +131,8 @@ class SchedulerHalf:
         lookup.num_computed_tokens = num_computed_tokens
         hit = min(answer.hit_tokens, num_tokens)
         usable = hit - 1 if hit == num_tokens else hit
+        if tracker.max_load_tokens is not None:
+            usable = min(usable, floor_to(num_computed_tokens + tracker.max_load_tokens, self.chunk_size))
         lookup.load_async = False
         if usable <= num_computed_tokens:
             return 0, False
@@ -297,6 +308,7 @@ class SchedulerHalf:
         tracker = self._trackers.get(request.request_id)
         if tracker is None or tracker.request is not request:
             tracker = self._trackers[request.request_id] = self._new_tracker(request)
+            tracker.max_load_tokens = max_load_tokens_of(request.request_id, request.kv_transfer_params)
             if self.pd is not None:
                 cacheable = tracker.extra is not None
                 tracker.holds_for_peer = self.pd.should_hold(request, cacheable)

@@ -338,7 +338,7 @@ class RedisBackend(StorageBackend):
         except CallFailed:
             ok = False
         if ok:
-            kv_events.stored(key, self.name.medium)
+            kv_events.stored(key, self.name)
             metrics.inc("stored_chunks", tier=self.name)
             metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
             metrics.inc("redis_node_stored_chunks", node=guard.name)
@@ -360,7 +360,7 @@ class RedisBackend(StorageBackend):
         try:
             guard = await self.topology.guard_of(rkey)
             if await guard.call(lambda: self._client.delete(rkey), self.timeout):
-                kv_events.removed(key, self.name.medium)
+                kv_events.removed(key, self.name)
         except CallFailed:
             pass
 
@@ -370,7 +370,7 @@ class RedisBackend(StorageBackend):
             async for rkeys in self.topology.scan(glob_escape(self.prefix) + "*"):
                 await asyncio.wait_for(self._client.unlink(*rkeys), self.timeout * 10)
                 for rkey in rkeys:
-                    kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name.medium)
+                    kv_events.removed(rkey.decode("utf-8", "replace")[len(self.prefix):], self.name)
         except CALL_ERRORS as exc:
             logger.warning("clearing redis %s failed: %s: %s", self.location, type(exc).__name__, redact_text(str(exc)))
             return False

@@ -5,13 +5,15 @@ A request sent to the prefill instance P carries `{"do_remote_decode": true, ...
 sends `do_remote_prefill: false` and null `remote_*` fields); P answers with `prefill_params(...)`: vLLM's
 field names (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_host`, `remote_port`,
 `tp_size`, `remote_num_tokens`) plus ours under `PARAMS_KEY` (protocol version, every TP rank's port, chunk
-size; with a chunk MAC key also the scope of its keys, an expiry and a signature over all of them). The
-decode instance D gets that dict back from the proxy, i.e. from a client: `parse_remote_prefill` checks every
-field before anything is done with it (request id charset and length, host syntax, port range and count,
-bounds of every number) and turns it into a `RemotePrefill`, or says in one `PDRefusal` why it cannot pull
-(and the request is recomputed): params of another connector, a broken or malformed dict, another protocol
-version, TP size or chunk size. Whether D may connect to the host is `trust.py`'s question. Plain dicts in,
-plain dicts out: no vLLM import.
+size; with a chunk MAC key also the scope of its keys, an expiry and a signature over all of them). Beside
+another connector of a MultiConnector that may answer kv_transfer_params too (`namespaced`), P puts all of it
+under `PARAMS_KEY` only, vLLM's field names included, so no key of the answer is shared (vLLM's MultiConnector
+raises on a shared key); D reads either form. The decode instance D gets that dict back from the proxy, i.e.
+from a client: `parse_remote_prefill` checks every field before anything is done with it (request id charset
+and length, host syntax, port range and count, bounds of every number) and turns it into a `RemotePrefill`,
+or says in one `PDRefusal` why it cannot pull (and the request is recomputed): params of another connector, a
+broken or malformed dict, another protocol version, TP size or chunk size. Whether D may connect to the host
+is `trust.py`'s question. Plain dicts in, plain dicts out: no vLLM import.
 """
 from __future__ import annotations
 
@@ -74,9 +76,17 @@ def wants_remote_decode(params: Any) -> bool:
     return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
 
 
+def _namespaced(params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Our params when they came in the namespaced form (everything under `PARAMS_KEY`), else None."""
+    ours = params.get(PARAMS_KEY)
+    return ours if isinstance(ours, Mapping) and ours.get("do_remote_prefill") else None
+
+
 def wants_remote_prefill(params: Any) -> bool:
-    """The decode side: this request's KV was computed by a prefill instance."""
-    return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
+    """The decode side: this request's KV was computed by a prefill instance (either form of the params)."""
+    if not isinstance(params, Mapping):
+        return False
+    return bool(params.get("do_remote_prefill")) or _namespaced(params) is not None
 
 
 def signed_bytes(remote: RemotePrefill) -> bytes:
@@ -96,21 +106,21 @@ def sign(remote: RemotePrefill, mac: ChunkMac) -> str:
 
 def prefill_params(*, engine_id: str, req_id: str, host: str, ports: list[int], num_tokens: int,
                    chunk_size: int, mac: Optional[ChunkMac] = None, scope: str = "",
-                   expires: Optional[int] = None) -> dict[str, Any]:
+                   expires: Optional[int] = None, namespaced: bool = False) -> dict[str, Any]:
     """What the prefill instance returns from `request_finished` for vLLM to put into its answer; with `mac`
-    (the chunk MAC key) signed for `scope` until `expires`."""
+    (the chunk MAC key) signed for `scope` until `expires`; `namespaced`: all of it under `PARAMS_KEY`."""
     ours: dict[str, Any] = {"version": PROTOCOL_VERSION, "ports": list(ports), "chunk_size": chunk_size}
     if mac is not None:
         remote = RemotePrefill(engine_id, req_id, host, tuple(ports), len(ports), num_tokens, chunk_size,
                                scope, expires)
         ours.update(scope=scope, expires=expires, sig=sign(remote, mac))
-    return {
+    vllm_fields = {
         "do_remote_prefill": True, "do_remote_decode": False,
         "remote_engine_id": engine_id, "remote_request_id": req_id,
         "remote_host": host, "remote_port": ports[0], "tp_size": len(ports),
         "remote_num_tokens": num_tokens, "remote_block_ids": None,
-        PARAMS_KEY: ours,
     }
+    return {PARAMS_KEY: {**vllm_fields, **ours}} if namespaced else {**vllm_fields, PARAMS_KEY: ours}
 
 
 def _int(value: Any, low: int, high: int, what: str) -> int:
@@ -131,7 +141,10 @@ def _engine_id(value: Any) -> str:
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """The decode side's `RemotePrefill` of `params` (which ask for a remote prefill), every field checked,
     or `PDRefusal`."""
-    ours = params.get(PARAMS_KEY)
+    namespaced = _namespaced(params)
+    if namespaced is not None:  # vLLM's fields and ours side by side under our key
+        params = namespaced
+    ours = namespaced if namespaced is not None else params.get(PARAMS_KEY)
     if not isinstance(ours, Mapping):
         raise PDRefusal("bad_params", "kv_transfer_params name no lmcache-vllm prefill instance (another "
                                       "connector's params?)")

@@ -2,8 +2,9 @@
 
 - Prefill side (`do_remote_decode`): the request holds (`should_hold`: a saving role and keys for it); in the
   step its prompt completes the scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts
-  into the answer (P's address, every TP rank's transfer port, asked from the workers once) or, for an
-  aborted request, drops the hold.
+  into the answer (P's address, every TP rank's transfer port, asked from the workers once; all under our own
+  key with `namespaced_params`, beside another connector of a MultiConnector) or, for an aborted request,
+  drops the hold.
 - Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
   pulls: params checked field by field (`params.py`), a prefill instance this instance may connect to
   (`trust.py`: signed params with a chunk MAC key, else loopback or `pd_peers`), a loading role, keys for the
@@ -53,7 +54,8 @@ class PDScheduler:
 
     def __init__(self, *, engine_id: str, host: str, chunk_size: int, tp_size: int,
                  ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool,
-                 trust: PeerTrust | None = None, hold_s: float = 30.0, grouped: bool = False):
+                 trust: PeerTrust | None = None, hold_s: float = 30.0, grouped: bool = False,
+                 namespaced_params: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.chunk_size = chunk_size
@@ -64,6 +66,7 @@ class PDScheduler:
         self.trust = trust if trust is not None else PeerTrust()
         self.hold_s = hold_s
         self.grouped = grouped
+        self.namespaced_params = namespaced_params
         self._ports: list[int] | None = None
         self._warned: set[str] = set()
         self._releases: list[PeerSpec] = []
@@ -109,7 +112,8 @@ class PDScheduler:
         mac = self.trust.mac
         return prefill_params(engine_id=self.engine_id, req_id=request.request_id, host=self.host, ports=ports,
                               num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size, mac=mac,
-                              scope=self.trust.scope, expires=int(time.time() + self.hold_s) if mac else None)
+                              scope=self.trust.scope, expires=int(time.time() + self.hold_s) if mac else None,
+                              namespaced=self.namespaced_params)
 
     # ------------------------------------------------------------------ decode side
     def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:

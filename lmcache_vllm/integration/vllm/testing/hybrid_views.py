@@ -1,4 +1,5 @@
-"""The KV cache of a hybrid model built exactly as vLLM 0.32 builds it, for tests and benchmarks (needs vLLM).
+"""The KV cache of a hybrid model built exactly as vLLM 0.32 / 0.33 builds it, for tests and benchmarks (needs
+vLLM).
 
 `vllm_hybrid_cache(case)` gives vLLM's own `KVCacheConfig` (`get_kv_cache_groups`,
 `get_kv_cache_config_from_groups`: one group per layer kind, layers of different groups sharing the same
@@ -64,7 +65,14 @@ def layer_specs(case: HybridCase) -> dict[str, Any]:
 def vllm_hybrid_cache(case: HybridCase, device: torch.device | str = "cpu") -> tuple[Any, dict[str, torch.Tensor]]:
     """(vLLM's `KVCacheConfig`, the layer views in layer order) for `case`."""
     from vllm.config import CacheConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    try:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    except ImportError:  # vLLM 0.33 moved them
+        from vllm.v1.core.kv_cache_planning import (  # type: ignore[no-redef]
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 

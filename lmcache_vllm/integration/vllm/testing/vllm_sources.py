@@ -5,6 +5,8 @@ what routers built for vLLM's NIXL connector are modelled on; the tests drive ou
 is. It lives only in vLLM's source distribution, so `vllm_source_file` takes the sdist of the installed vLLM
 version from PyPI (its sha256 from the index checked), extracts the one file into a cache directory and
 returns its path. Nothing is executed at download time; the file is run by the test like any script.
+`vllm_python_tree(version)` extracts the whole `vllm` package's Python files of another release the same way,
+for tests that read (parse, never import) a release that cannot be installed here.
 
     python -m lmcache_vllm.integration.vllm.testing.vllm_sources [PATH]   # default: the toy proxy
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -55,6 +58,23 @@ def _sdist_url(version: str, timeout_s: float) -> tuple[str, str]:
     raise SourceUnavailable(f"{INDEX} lists no {name} with a sha256")
 
 
+def _download_sdist(version: str, into: Path, timeout_s: float) -> Path:
+    """vllm-<version>.tar.gz downloaded into the directory `into`, its sha256 checked against the index's."""
+    url, sha256 = _sdist_url(version, timeout_s)
+    archive = into / "sdist.tar.gz"
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp, open(archive, "wb") as out:
+            while block := resp.read(1 << 20):
+                digest.update(block)
+                out.write(block)
+    except OSError as exc:
+        raise SourceUnavailable(f"cannot download {url}: {exc}") from exc
+    if digest.hexdigest() != sha256:
+        raise SourceUnavailable(f"{url}: sha256 {digest.hexdigest()} is not the index's {sha256}")
+    return archive
+
+
 def vllm_source_file(relpath: str, version: str | None = None, cache_dir: Path | None = None,
                      timeout_s: float = 120) -> Path:
     """Path of `relpath` (relative to vLLM's source root) from the sdist of `version` (default: installed)."""
@@ -63,20 +83,9 @@ def vllm_source_file(relpath: str, version: str | None = None, cache_dir: Path |
     target = cache_dir / relpath
     if target.exists():
         return target
-    url, sha256 = _sdist_url(version, timeout_s)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        archive = Path(tmp) / "sdist.tar.gz"
-        digest = hashlib.sha256()
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp, open(archive, "wb") as out:
-                while block := resp.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-        except OSError as exc:
-            raise SourceUnavailable(f"cannot download {url}: {exc}") from exc
-        if digest.hexdigest() != sha256:
-            raise SourceUnavailable(f"{url}: sha256 {digest.hexdigest()} is not the index's {sha256}")
+        archive = _download_sdist(version, Path(tmp), timeout_s)
         member = f"vllm-{version}/{relpath}"
         with tarfile.open(archive) as tar:
             try:
@@ -93,6 +102,38 @@ def vllm_source_file(relpath: str, version: str | None = None, cache_dir: Path |
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)  # atomic: a concurrent caller sees the whole file or none
     return target
+
+
+def vllm_python_tree(version: str, cache_dir: Path | None = None, timeout_s: float = 300) -> Path:
+    """A directory holding every `.py` file of the `vllm` package of the sdist of `version` (as `vllm/...`), for
+    tests that read a release that cannot be installed here (its wheel needs another torch). Read, never run."""
+    cache_dir = cache_dir or REPO_ROOT / ".cache" / f"vllm-{version}-py"
+    done = cache_dir / ".complete"
+    if done.exists():
+        return cache_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    root = f"vllm-{version}/vllm/"
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        archive = _download_sdist(version, Path(tmp), timeout_s)
+        staged = Path(tmp) / "tree"
+        with tarfile.open(archive) as tar:
+            for info in tar:
+                name = info.name
+                if not (info.isfile() and name.startswith(root) and name.endswith(".py")) or ".." in name:
+                    continue
+                data = tar.extractfile(info)
+                if data is None:
+                    continue
+                target = staged / name[len(f"vllm-{version}/"):]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data.read())
+        if not (staged / "vllm" / "__init__.py").exists():
+            raise SourceUnavailable(f"vllm-{version}.tar.gz holds no vllm package")
+        if (cache_dir / "vllm").exists():  # an interrupted earlier run
+            shutil.rmtree(cache_dir / "vllm")
+        os.replace(staged / "vllm", cache_dir / "vllm")
+    done.touch()
+    return cache_dir
 
 
 def main(argv: list[str] | None = None) -> int:
