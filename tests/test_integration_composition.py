@@ -116,7 +116,7 @@ def test_namespaced_prefill_params_share_no_key_and_a_decode_instance_pulls_with
     config = LMCacheConfig(chunk_size=CHUNK)
 
     def half(namespaced: bool) -> SchedulerHalf:
-        pd = PDScheduler(engine_id="E", host="10.0.0.1", chunk_size=CHUNK, tp_size=1, ask_ports=lambda: [9000],
+        pd = PDScheduler(engine_id="E", host="127.0.0.1", chunk_size=CHUNK, tp_size=1, ask_ports=lambda: [9000],
                          can_load=True, can_save=True, namespaced_params=namespaced)
         return SchedulerHalf(config, block_size=BLOCK, lookup_client=store, can_load=True, can_save=True, pd=pd)
 
@@ -130,7 +130,7 @@ def test_namespaced_prefill_params_share_no_key_and_a_decode_instance_pulls_with
     _, params = finish(prefill, req)
     assert set(params) == {PARAMS_KEY} and not set(params) & set(NIXL_PARAMS)  # MultiConnector: no clash
     remote = parse_remote_prefill(params)
-    assert (remote.req_id, remote.host, remote.ports, remote.num_tokens) == ("a", "10.0.0.1", (9000,), 700)
+    assert (remote.req_id, remote.host, remote.ports, remote.num_tokens) == ("a", "127.0.0.1", (9000,), 700)
     decode = half(namespaced=False)  # the decode side reads either form
     pull = pd_request("d", 700, params)
     assert decode.get_num_new_matched_tokens(pull, 0) == (700, True)
