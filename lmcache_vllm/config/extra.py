@@ -9,6 +9,7 @@ key, add one field with `setting(default, meaning, check=...)`; the table in doc
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +42,17 @@ def _cpu_choice(value: str) -> Optional[str]:
         parse_cpu_list(value)
     except ValueError:
         return "'auto', 'inherit' or a CPU list such as '1' or '2,4-7'"
+    return None
+
+
+def _peers_problem(peers: list[str]) -> Optional[str]:
+    for peer in peers:
+        try:
+            ipaddress.ip_network(peer, strict=False)
+        except ValueError:
+            if not peer or not all(part.isalnum() or part.replace("-", "").isalnum()
+                                   for part in peer.rstrip(".").split(".")):
+                return f"expected host names, addresses or networks such as 10.0.0.0/8; {peer!r} is none"
     return None
 
 
@@ -125,6 +137,25 @@ class ExtraConfig:
     pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
+    # Peer-to-peer sharing (enable_p2p; docs/P2P.md)
+    p2p_directory_url: Optional[str] = setting(None, "the P2P directory (which instance holds which chunk: keys "
+                                                     "and addresses, never KV): any form remote_url accepts; "
+                                                     "null: remote_url")
+    p2p_serve_disk: bool = setting(False, "also list and serve the chunks of local_disk (read into L1 for a pull)")
+    p2p_lookup_timeout_secs: float = setting(0.5, "longest wait for the directory's answer to one lookup; past "
+                                                  "it: a miss (counted), never a stalled step", check=SECONDS)
+    p2p_pull_timeout_secs: float = setting(5.0, "longest silence of a peer during a pull; past it the rest is "
+                                                "recomputed and the peer skipped for p2p_peer_backoff_secs",
+                                           check=SECONDS)
+    p2p_lease_secs: float = setting(30.0, "an instance's directory entries expire this long after its last "
+                                          "refresh (refreshed every third of it): a dead instance's entries go "
+                                          "with its lease", check=greater_than(1, "seconds"))
+    p2p_peer_backoff_secs: float = setting(10.0, "a peer that failed a pull (dead, slow, or sent what did not "
+                                                 "verify) is not asked again for this long", check=SECONDS)
+    p2p_peers: list[str] = setting(
+        default_factory=list, check=_peers_problem,
+        meaning="hosts or networks (CIDR) trusted as P2P peers without a chunk MAC (loopback always is); with a MAC "
+                "key every peer is, its chunks verified")
     # KV copies on a GPU
     cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
                                        "the torch path's bytes on a scratch copy of that layout; otherwise an "
