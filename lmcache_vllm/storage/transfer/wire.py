@@ -12,6 +12,10 @@ Requests (D -> P):
 
     [PROTOCOL, b"PULL",    request id (UTF-8), keys (UTF-8, joined by "\\n"), auth]
     [PROTOCOL, b"RELEASE", request id (UTF-8), b"",                          auth]
+    [PROTOCOL, b"FETCH",   puller id (UTF-8),  keys (UTF-8, joined by "\\n"), auth]   P2P: by key from L1
+
+A FETCH (P2P, `transfer/keyed.py`) is answered like a PULL from what the serving instance's L1 holds of the
+keys, with no hold to name or release.
 
 `auth` is b"" without a MAC secret, else the keyed BLAKE3 (`codec.ChunkMac`) of the other frames: with
 `extra_config.chunk_mac_key` set, a transfer server answers only peers that share the secret.
@@ -41,7 +45,7 @@ if TYPE_CHECKING:  # the API server imports this through pd/params.py: it must n
 
 PROTOCOL = b"LMVPD2"
 PROTOCOL_VERSION = 2  # the number in kv_transfer_params; bump with PROTOCOL (2: TCP stream, was ZMQ)
-PULL, RELEASE = b"PULL", b"RELEASE"
+PULL, RELEASE, FETCH = b"PULL", b"RELEASE", b"FETCH"
 CHUNK, END, ERR = b"CHUNK", b"END", b"ERR"
 # Error codes of ERR replies.
 ERRORS = {
@@ -68,7 +72,7 @@ class PeerProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class PeerRequest:
-    op: bytes  # PULL or RELEASE
+    op: bytes  # PULL, RELEASE or FETCH
     req_id: str
     keys: tuple[str, ...]
     auth: bytes
@@ -129,7 +133,7 @@ def encode_request(op: bytes, req_id: str, keys: Sequence[str] = (), mac: Option
 def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes or memoryview parts
     """A request as the server received it (without the ROUTER's identity frame)."""
     parts = [bytes(f) for f in frames]
-    if len(parts) != 5 or parts[0] != PROTOCOL or parts[1] not in (PULL, RELEASE):
+    if len(parts) != 5 or parts[0] != PROTOCOL or parts[1] not in (PULL, RELEASE, FETCH):
         raise PeerProtocolError(f"not a request of {PROTOCOL!r} ({len(parts)} frames)")
     _, op, rid, blob, auth = parts
     if not rid or len(rid) > MAX_REQ_ID:
@@ -141,8 +145,8 @@ def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes or memoryview 
         raise PeerProtocolError("request id or keys are not UTF-8") from None
     if len(keys) > MAX_KEYS or any(not k or len(k) > codec.MAX_KEY_BYTES for k in keys):
         raise PeerProtocolError(f"{len(keys)} keys, or an empty or oversized one")
-    if op == PULL and not keys:
-        raise PeerProtocolError("a PULL without keys")
+    if op in (PULL, FETCH) and not keys:
+        raise PeerProtocolError(f"a {op.decode()} without keys")
     return PeerRequest(op, req_id, keys, auth)
 
 
@@ -223,7 +227,7 @@ def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
     return codec.alloc_and_fill(header, reply.payload, alloc, mac)
 
 
-__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
+__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "FETCH", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
            "MAX_PARTS", "MAX_SMALL_PART", "COUNT_BYTES", "frame", "frame_bytes", "part_count", "parse_lengths",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "encode_request", "parse_request",
            "verify_request", "chunk_header", "chunk_reply", "end_reply", "error_reply", "parse_reply", "check_chunk",
