@@ -13,6 +13,8 @@ It answers the requests of `wire` from the holds of `holds.PeerHolds`:
   on each side, so the decode instance can say what differs (model fingerprint, TP size or rank, chunk size,
   format).
 - RELEASE(request): ends the hold (no reply).
+- FETCH(keys) (P2P): `by_key(keys, peer host)` checks out what L1 holds of the keys' longest prefix
+  (`keyed.py`), sent like a PULL's chunks; without `by_key` (P2P off) or for a peer it refuses: ERR.
 With a MAC secret, a request without a valid MAC is answered ERR auth (a PULL) or ignored (a RELEASE).
 Expired holds are ended by the listener thread, so a hold nobody pulls never outlives its lease by more than a
 poll interval. A malformed message is answered ERR bad_request and its connection closed (the stream cannot be
@@ -26,13 +28,13 @@ import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.transfer import wire
-from lmcache_vllm.storage.transfer.holds import HoldState, PeerHolds
+from lmcache_vllm.storage.transfer.holds import Checkout, HoldState, PeerHolds
 
 if TYPE_CHECKING:
     from lmcache_vllm.memory import MemoryObj
@@ -102,8 +104,10 @@ class TransferServer:
     """See the module docstring."""
 
     def __init__(self, holds: PeerHolds, *, host: str, port: int = 0, mac: ChunkMac | None = None,
-                 unknown_grace_s: float = 2.0, io_timeout_s: float = 30.0, max_connections: int = 64):
+                 unknown_grace_s: float = 2.0, io_timeout_s: float = 30.0, max_connections: int = 64,
+                 by_key: Callable[[Sequence[str], str], Checkout] | None = None):
         self.holds = holds
+        self.by_key = by_key
         self.host = host
         self.mac = mac
         self.unknown_grace_s = float(unknown_grace_s)
@@ -173,7 +177,9 @@ class TransferServer:
                     continue
                 if request.op == wire.RELEASE:
                     self.holds.release(request.req_id)
-                elif not self._pull(conn, request):
+                elif request.op == wire.FETCH and not self._fetch(conn, request):
+                    return
+                elif request.op == wire.PULL and not self._pull(conn, request):
                     return
         except Exception:  # a bug here must not leak the connection or kill the server
             logs.warn(logger, "pd_server_error", "KV transfer connection error", exc_info=True)
@@ -198,6 +204,13 @@ class TransferServer:
         if not checkout.objs and checkout.held_keys:
             return self._reply(conn, wire.error_reply(
                 b"keys", f"holds {checkout.held_keys[0]!r}, asked for {request.keys[0]!r}"))
+        return self._send(conn, request, checkout.objs, checkout.headers)
+
+    def _fetch(self, conn: socket.socket, request: wire.PeerRequest) -> bool:
+        """Answers one FETCH (P2P) from `by_key`; False when the connection is no good any more."""
+        checkout = self.by_key(request.keys, conn.getpeername()[0]) if self.by_key is not None else None
+        if checkout is None or checkout.state != HoldState.READY:
+            return self._reply(conn, wire.error_reply(b"auth", "this instance serves no P2P chunks to this peer"))
         return self._send(conn, request, checkout.objs, checkout.headers)
 
     def _send(self, conn: socket.socket, request: wire.PeerRequest, objs: list[MemoryObj],
