@@ -172,7 +172,7 @@ class TransferServer:
                 if not wire.verify_request(request, self.mac):
                     logs.warn(logger, "pd_bad_auth", "KV transfer request for %s without a valid MAC refused",
                               request.req_id)
-                    if request.op == wire.PULL:
+                    if request.op != wire.RELEASE:
                         self._reply(conn, wire.error_reply(b"auth", "the request's MAC does not verify"))
                     continue
                 if request.op == wire.RELEASE:
