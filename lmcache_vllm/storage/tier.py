@@ -3,8 +3,9 @@
 A tier's value is its name everywhere outside the code: metric labels (`tier="local_disk"`), lookup
 answers, log lines and admin reports. `medium` is the name vLLM's KV cache events use for it (a router
 sees `cpu`, `disk` or `redis`). Order is speed: L1 first, the shared pool last; `PEER` (another vLLM instance's
-L1, pulled for one request in disaggregated prefill: `peer.py`) is never in a lookup answer and comes last so
-the lookup wire's tier codes of the others stay as they were.
+L1, pulled for one request in disaggregated prefill: `transfer/client.py`) is never in a lookup answer; it and
+`P2P` (any other instance's L1 the P2P directory names: `p2p/`) come last so the lookup wire's tier codes of
+the others stay as they were. The order of reads is `registry.LOWER_TIERS`' (P2P before Redis).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ class Tier(enum.StrEnum):
     LOCAL_DISK = "local_disk"  # L2: a directory on this host, possibly shared by several processes
     REDIS = "redis"  # L3: the shared pool of a fleet
     PEER = "peer"  # a prefill instance's L1, read by its decode instance (disaggregated prefill)
+    P2P = "p2p"  # other instances' L1 (or disk), found in the P2P directory and pulled (storage/p2p)
 
     @property
     def medium(self) -> str:
         return _MEDIUMS[self]
 
 
-_MEDIUMS = {Tier.LOCAL_CPU: "cpu", Tier.LOCAL_DISK: "disk", Tier.REDIS: "redis", Tier.PEER: "peer"}
+_MEDIUMS = {Tier.LOCAL_CPU: "cpu", Tier.LOCAL_DISK: "disk", Tier.REDIS: "redis", Tier.PEER: "peer", Tier.P2P: "p2p"}
 TIER_NAMES: tuple[str, ...] = tuple(t.value for t in Tier)

@@ -1,0 +1,92 @@
+"""What the P2P tier knows about other instances' servers, besides the directory: whom it trusts
+(`PeerTrust`), whom it skips for a while after a failed pull (`Backoff`), and the bounded `peer` label of its
+metrics (`PeerLabels`).
+
+Trust follows disaggregated prefill's rule: a peer is trusted when its chunks are authenticated by the chunk MAC
+(a secret is set: every chunk is verified with it), or when its address is loopback or in
+`extra_config.p2p_peers` (addresses, networks in CIDR notation, or host names resolved once at start). The
+directory is a hint written by whoever can write that Redis: without a MAC, an address it names is connected
+to only if trusted here.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from typing import Callable, Sequence, Union
+
+Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+MAX_LABELS = 16  # distinct peers named in metric labels; later ones are "other"
+
+
+class PeerTrust:
+    """`trust(host)`: whether chunks from (or requests of) `host` may be used without a MAC."""
+
+    def __init__(self, peers: Sequence[str], *, resolve: Callable[[str], str] = socket.gethostbyname):
+        self.networks: list[Network] = []
+        self.names: set[str] = set()
+        for peer in peers:
+            try:
+                self.networks.append(ipaddress.ip_network(peer, strict=False))
+                continue
+            except ValueError:
+                pass
+            self.names.add(peer.lower())
+            try:  # a name resolved once, here: no DNS on the read path
+                self.networks.append(ipaddress.ip_network(resolve(peer)))
+            except (OSError, ValueError):
+                pass
+
+    def __call__(self, host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return host.lower() in self.names or host.lower() == "localhost"
+        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+        if mapped is not None:
+            address = mapped
+        return address.is_loopback or any(address in network for network in self.networks)
+
+
+class Backoff:
+    """Servers not to ask until a while after their last failed pull (a dead, slow or lying peer)."""
+
+    def __init__(self, secs: float, *, clock: Callable[[], float] = time.monotonic, max_entries: int = 4096):
+        self.secs = secs
+        self._clock = clock
+        self._max = max_entries
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, sid: str) -> None:
+        with self._lock:
+            if len(self._until) >= self._max:
+                now = self._clock()
+                self._until = {s: t for s, t in self._until.items() if t > now}
+            self._until[sid] = self._clock() + self.secs
+
+    def skipped(self, sid: str) -> bool:
+        with self._lock:
+            until = self._until.get(sid)
+            if until is None:
+                return False
+            if self._clock() < until:
+                return True
+            del self._until[sid]
+            return False
+
+
+class PeerLabels:
+    """The `peer` label of a server's metrics: its host:port for the first `MAX_LABELS` seen, "other" after."""
+
+    def __init__(self) -> None:
+        self._labels: dict[str, str] = {}
+
+    def __call__(self, sid: str, host: str, port: int) -> str:
+        label = self._labels.get(sid)
+        if label is None:
+            label = f"{host}:{port}" if len(self._labels) < MAX_LABELS else "other"
+            if len(self._labels) < 4 * MAX_LABELS:
+                self._labels[sid] = label
+        return label
