@@ -27,10 +27,11 @@ def key(i: int, model: str = "m", tp: str = "tp1.0") -> str:
     return f"{model}@-@{tp}@pp1.0@bfloat16@v2@{i:032x}"
 
 
-def config(url: str, prefix: str, *, l1_mib: float = 8, **extra: Any) -> LMCacheConfig:
+def config(url: str, prefix: str, *, l1_mib: float = 8, disk: Any = None, **extra: Any) -> LMCacheConfig:
+    tiers = {"local_disk": str(disk), "max_local_disk_size": 0.1} if disk is not None else {}
     return LMCacheConfig(max_local_cpu_size=l1_mib * MiB / (1 << 30), enable_p2p=True, blocking_timeout_secs=5.0,
                          extra_config={"p2p_directory_url": url, "remote_key_prefix": prefix, "close_drain_secs": 1.0,
-                                       **extra})
+                                       **extra}, **tiers)
 
 
 def manager(url: str, prefix: str, instance: str, *, rank: int = 0, tp: int = 1, **kw: Any) -> StorageManager:

@@ -51,6 +51,17 @@ def test_what_l1_evicts_is_withdrawn(url, redis_prefix):
         h.wait_until(lambda: h.entries(url, redis_prefix, a) == 0, what="the reset's withdrawals")
 
 
+def test_with_serve_disk_what_l1_evicted_is_served_from_the_disk(url, redis_prefix, tmp_path):
+    keys = [h.key(i) for i in range(40)]
+    with h.manager(url, redis_prefix, "A", l1_mib=0.125, p2p_serve_disk=True, disk=tmp_path) as a, \
+            h.manager(url, redis_prefix, "B") as b:
+        h.store(a, keys)
+        assert sum(a.contains(keys)) < len(keys)  # L1 evicted most; the disk has every one
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == len(keys), what="entries of disk chunks")
+        assert h.get_all(b, keys[:8]) == [float(i) for i in range(8)]  # (read into A's small arena for the send)
+        assert metrics.value("p2p_pull_failures", reason="missing") == 0
+
+
 def test_never_pulls_from_its_own_instance(url, redis_prefix):
     keys = [h.key(i) for i in range(2)]
     with h.manager(url, redis_prefix, "A") as a, h.manager(url, redis_prefix, "A", rank=0) as a_again:

@@ -57,8 +57,9 @@ class StorageBackend(abc.ABC):
         needs a chunk MAC, or anyone who can write it plants KV the model reads (`registry`)."""
         return None
 
-    def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity) -> None:
-        """The manager's L1 and the instance it serves, once known (a tier that serves L1 to others: P2P)."""
+    def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity, tiers: Sequence[StorageBackend]) -> None:
+        """The manager's L1, the instance it serves and its lower tiers, once known (a tier that serves what
+        this instance holds to others: P2P)."""
         return None
 
     @abc.abstractmethod

@@ -186,7 +186,7 @@ class StorageManager(LowerTierReads):
         """Names the serving instance and TP rank this storage belongs to (the P2P tier advertises it and
         starts serving L1 to other instances); before it, such a tier finds and serves nothing."""
         for tier in self.lower:
-            tier.attach(self.l1, identity)
+            tier.attach(self.l1, identity, self.lower)
 
     def pin_prefix(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
         """The L1 chunks of the longest prefix of `keys` in L1, each with a reference for the caller (which

@@ -15,9 +15,11 @@
   slow, refusing or lying peer gives misses (recomputed) and is skipped for `p2p_peer_backoff_secs`. What is
   pulled goes into L1 only (the manager promotes it there): nothing from a peer is written through to a shared
   tier.
-- `attach(l1, identity)` (once the worker knows its instance and rank) starts this rank's transfer server,
-  which serves FETCHes from L1 (`transfer/keyed.py`), on `p2p_host` and `p2p_init_ports[rank]` (a single port:
-  port + rank; none: one the OS picks). Before it, the tier finds and lists nothing.
+- `attach(l1, identity, tiers)` (once the worker knows its instance and rank) starts this rank's transfer
+  server, which serves FETCHes from L1 (`transfer/keyed.py`), on `p2p_host` and `p2p_init_ports[rank]` (a
+  single port: port + rank; none: one the OS picks). Before it, the tier finds and lists nothing. With
+  `extra_config.p2p_serve_disk`, a chunk L1 evicts stays listed while the disk tier holds it, and is read from
+  there for a peer; the disk's own evictions are not seen: such an entry is withdrawn when a peer asks for it.
 TP: keys carry the TP size and rank, so rank r pulls from rank r of instances with the same TP size; an
 instance of the same model at another TP size is named once in a warning (its chunks are recomputed here).
 """
@@ -36,6 +38,7 @@ from lmcache_vllm.config.schema import p2p_directory_url
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import InstanceIdentity, StorageBackend, gather_owned
+from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.p2p.adverts import Adverts
 from lmcache_vllm.storage.p2p.directory import Directory, ServerInfo, chunk_id, key_space
 from lmcache_vllm.storage.p2p.peers import Backoff, PeerLabels, PeerTrust
@@ -114,6 +117,9 @@ class P2PTier(StorageBackend):
         self.info: Optional[ServerInfo] = None
         self.server: Optional[TransferServer] = None
         self._l1: Optional[LocalCPUBackend] = None
+        self.serve_disk = extra.p2p_serve_disk
+        self._disk: Optional[LocalDiskBackend] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._spaces: set[str] = set()
         self._registered: frozenset[str] | None = None  # the spaces last written into the directory
         self._dirty = True  # the directory's copy of this rank's entries may be incomplete: rewrite them all
@@ -123,10 +129,13 @@ class P2PTier(StorageBackend):
         self._unregister = metrics.register_gauges(self._gauge_values)
 
     # ------------------------------------------------------------------ serving side
-    def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity) -> None:
+    def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity, tiers: Sequence[StorageBackend]) -> None:
         if self.info is not None:
             return
-        keyed = KeyedChunks(l1.get_sync, mac=self.mac, trusted=self.trust, on_missing=self.adverts.discard_many)
+        if self.serve_disk:
+            self._disk = next((t for t in tiers if isinstance(t, LocalDiskBackend)), None)
+        keyed = KeyedChunks(self._chunk_for_peer, mac=self.mac, trusted=self.trust,
+                            on_missing=self.adverts.discard_many)
         port = 0
         if self.ports:
             rank = identity.tp_rank
@@ -135,8 +144,9 @@ class P2PTier(StorageBackend):
                                      io_timeout_s=self.pull_timeout_s, by_key=keyed.checkout)
 
         def removed(key: str) -> None:
-            self.adverts.discard(key)
             keyed.forget(key)
+            if self._disk is None or not self._disk.holds(key):
+                self.adverts.discard(key)  # with p2p_serve_disk, a chunk on disk stays listed
 
         l1.on_removed(removed)
         self._l1 = l1
@@ -145,6 +155,20 @@ class P2PTier(StorageBackend):
                                identity.tp_rank, identity.tp_size)
         logger.info("P2P: rank %d serves its L1 on %s:%d, listed in the directory %s as %s", identity.tp_rank,
                     self.info.host, self.info.port, self.target.display(), sid)
+
+    def _chunk_for_peer(self, key: str) -> Optional[MemoryObj]:
+        """A chunk to send a peer (on a transfer server's thread): from L1, else (p2p_serve_disk) read from the
+        disk into memory of the L1 arena for the time of the send, bounded by the pull timeout."""
+        assert self._l1 is not None
+        obj = self._l1.get_sync(key)
+        if obj is not None or self._disk is None or self._loop is None or not self._disk.holds(key):
+            return obj
+        read = asyncio.run_coroutine_threadsafe(self._disk.get(key, self._l1.try_allocate), self._loop)
+        try:
+            return read.result(self.pull_timeout_s)
+        except Exception:  # slow or failed: the peer gets what came before it
+            read.cancel()
+            return None
 
     async def put(self, key: str, obj: MemoryObj) -> bool:
         if self.info is None or self._l1 is None or not self._l1.contains_sync(key):
@@ -158,7 +182,8 @@ class P2PTier(StorageBackend):
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._maintain())
+            self._loop = asyncio.get_running_loop()  # the storage loop, where disk reads for peers run
+            self._task = self._loop.create_task(self._maintain())
 
     async def _maintain(self) -> None:
         """Writes this rank's entries: registration, batched changes, lease renewals, rewrites."""
