@@ -189,6 +189,38 @@ def staged_chunks(num: int, shape: tuple):
     return chunks, keys, src_objs, dst_alloc
 
 
+def serve_raw(buffers: list) -> int:
+    """A loopback listener on a thread of its own that sends every one of `buffers` (numpy arrays) to each
+    connection, then closes it: the raw side `read_raw` reads from. Returns its port."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                for buffer in buffers:
+                    conn.sendall(buffer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def read_raw(port: int, buffer) -> float:
+    """Seconds to receive len(`buffer`) bytes from a loopback server on `port` into `buffer` (a preallocated numpy
+    array): the floor a transfer between instances is compared with (one kernel copy, nothing checked)."""
+    nbytes = len(buffer)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        view, got = memoryview(buffer), 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], nbytes - got)
+    return time.perf_counter() - t0
+
+
 def cpu_model() -> str:
     """The CPU's model name (the benchmarks' figures depend on it: AMD EPYC or Intel with AMX here)."""
     try:
