@@ -221,23 +221,9 @@ def transfer(quick: bool, redis_url: str) -> dict:
         config = LMCacheConfig(max_local_cpu_size=(nbytes * 1.3 + (64 << 20)) / (1 << 30), enable_p2p=True,
                                extra_config={"p2p_directory_url": redis_url, "remote_key_prefix": prefix,
                                              "prefault_local_cpu": "sync", "p2p_pull_timeout_secs": 30.0})
-        ours, raw = [], []
         with StorageManager(config) as mgr:
             mgr.attach_instance(InstanceIdentity("pulling"))
-            for rep in range(repeats + 1):  # the first round warms both paths up
-                raw_s = _common.read_raw(raw_port, buffer)
-                mgr.l1.clear_sync()
-                t0 = time.perf_counter()
-                handle = mgr.prefetch(keys)
-                got = handle.wait(120)
-                ours_s = time.perf_counter() - t0
-                if got != n:
-                    raise RuntimeError(f"pulled {got} of {n} chunks")
-                for obj in mgr.get(keys, owner=handle.owner, lower_tiers=False):
-                    obj.ref_down()
-                if rep:
-                    ours.append(ours_s)
-                    raw.append(raw_s)
+            ours, raw = _common.pulls_against_raw(mgr, keys, lambda rep: mgr.prefetch(keys), raw_port, buffer, repeats)
     finally:
         child.stdin.close()
         child.wait(30)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO_ROOT, gbps, parse_args, print_table, read_raw, write_json
+from _common import REPO_ROOT, gbps, parse_args, print_table, pulls_against_raw, write_json
 
 CHUNK_SHAPE = (8, 2, 256, 256)  # the medium model's stored chunk: 2 MiB of bf16
 _CHILD = r"""
@@ -80,23 +80,11 @@ def _transfer(num_chunks: int, repeats: int) -> dict:
         buffer.fill(0)  # pages faulted in before timing
         config = LMCacheConfig(max_local_cpu_size=(nbytes * 1.2 + (64 << 20)) / (1 << 30),
                                extra_config={"prefault_local_cpu": "sync"})
-        ours, raw = [], []
         with StorageManager(config) as mgr:
-            for rep in range(repeats + 1):  # the first round warms both paths up
-                raw_s = read_raw(raw_port, buffer)
-                mgr.l1.clear_sync()
-                t0 = time.perf_counter()
-                handle = mgr.prefetch(keys, peer=PeerTier(PeerSource("127.0.0.1", peer_port, f"req-{rep}"),
-                                                          timeout_s=30))
-                got_chunks = handle.wait(120)
-                ours_s = time.perf_counter() - t0
-                if got_chunks != num_chunks:
-                    raise RuntimeError(f"pulled {got_chunks} of {num_chunks} chunks")
-                for obj in mgr.get(keys, owner=handle.owner, lower_tiers=False):
-                    obj.ref_down()
-                if rep:
-                    ours.append(ours_s)
-                    raw.append(raw_s)
+            def pull(rep: int):
+                return mgr.prefetch(keys, peer=PeerTier(PeerSource("127.0.0.1", peer_port, f"req-{rep}"), timeout_s=30))
+
+            ours, raw = pulls_against_raw(mgr, keys, pull, raw_port, buffer, repeats)
     finally:
         child.stdin.close()
         child.wait(30)

@@ -15,6 +15,8 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
+from typing import Iterator
 
 import e2e_harness as h
 import pytest
@@ -61,20 +63,21 @@ def reference(tiny_model, tmp_path_factory):
     return {name: h.phase(result, name)[0] for name in ("shared", "shared_again", "killed")}
 
 
+def instance(model: str, tmp: Path, directory: str, core: str) -> Iterator[tuple[str, Path]]:
+    """`lmcache-vllm serve` with P2P on, computing on `core`: (base URL, log path)."""
+    env = h.vllm_env(tmp, multiprocessing=True, threads_bind=core)
+    with serve(model, server_args(p2p_config(directory)), tmp, env) as (base, log):
+        yield base, log
+
+
 @pytest.fixture(scope="module")
 def instance_a(tiny_model, tmp_path_factory, directory, reference):
-    tmp = tmp_path_factory.mktemp("e2e_p2p_a")
-    env = h.vllm_env(tmp, multiprocessing=True, threads_bind="0")
-    with serve(tiny_model, server_args(p2p_config(directory)), tmp, env) as (base, log):
-        yield base, log
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory, "0")
 
 
 @pytest.fixture(scope="module")
 def instance_b(tiny_model, tmp_path_factory, directory, instance_a):
-    tmp = tmp_path_factory.mktemp("e2e_p2p_b")
-    env = h.vllm_env(tmp, multiprocessing=True, threads_bind="1")
-    with serve(tiny_model, server_args(p2p_config(directory)), tmp, env) as (base, log):
-        yield base, log
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory, "1")
 
 
 def complete(base: str, model: str, prompt: list[int]) -> dict:
