@@ -145,10 +145,14 @@ def serving(quick: bool, tmp: Path, redis_url: str) -> dict:
     from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     model = str(build_model("tiny" if quick else "medium"))
-    prefixes, prefix_len = (8, 1000) if quick else (40, 3000)
-    workload = shared_prefixes(prefixes, prefix_len, 32 if quick else 64, 8 if quick else 16,
+    # Every whole chunk of a prompt lies inside its prefix (the suffix only in the partial last chunk, which is
+    # not stored): what is stored is the prefixes' chunks, the working set; unique chunks would churn L1.
+    prefixes, prefix_len, suffix_len = (8, 1100, 32) if quick else (40, 3000, 64)
+    whole = (prefix_len + suffix_len) // CHUNK
+    assert whole * CHUNK <= prefix_len, "a stored chunk would hold suffix tokens"
+    workload = shared_prefixes(prefixes, prefix_len, suffix_len, 8 if quick else 16,
                                4 * prefixes if quick else 5 * prefixes)
-    working_set = prefixes * (prefix_len // CHUNK) * chunk_bytes(model)
+    working_set = prefixes * whole * chunk_bytes(model)
     l1_gb = 0.7 * working_set / (1 << 30)
     cores = sorted(os.sched_getaffinity(0))
     redis_prefix, p2p_prefix = f"bench-p2p-r-{uuid.uuid4().hex[:6]}:", f"bench-p2p-d-{uuid.uuid4().hex[:6]}:"
