@@ -40,11 +40,11 @@ def manager(url: str, prefix: str, instance: str, *, rank: int = 0, tp: int = 1,
     return mgr
 
 
-def store(mgr: StorageManager, keys: list[str], first_value: int = 0) -> None:
+def store(mgr: StorageManager, keys: list[str], first_value: int = 0, shape: tuple[int, ...] = CHUNK) -> None:
     """Stores one chunk per key, chunk i filled with the number first_value + i; each write-through done before
     the next (a chunk queued for one is not evictable)."""
     for i, k in enumerate(keys):
-        obj = mgr.allocate(CHUNK, torch.bfloat16)
+        obj = mgr.allocate(shape, torch.bfloat16)
         obj.tensor.fill_(first_value + i)
         mgr.put(k, obj)
         obj.ref_down()
@@ -98,22 +98,28 @@ def get_all(mgr: StorageManager, keys: list[str]) -> list[float]:
 
 
 CHILD = """
-import sys, time
+import sys, time, torch
 sys.path.insert(0, {tests!r})
 import p2p_helpers as h
-mgr = h.manager(sys.argv[1], sys.argv[2], sys.argv[3], l1_mib=8, p2p_lease_secs=float(sys.argv[5]))
-keys = [h.key(i) for i in range(int(sys.argv[4]))]
-h.store(mgr, keys)
+shape = tuple(int(x) for x in sys.argv[6].split(","))
+n = int(sys.argv[4])
+mgr = h.manager(sys.argv[1], sys.argv[2], sys.argv[3], l1_mib=n * 2 * torch.Size(shape).numel() / 2**20 + 1,
+                p2p_lease_secs=float(sys.argv[5]))
+keys = [h.key(i) for i in range(n)]
+h.store(mgr, keys, shape=shape)
 h.wait_until(lambda: h.entries(sys.argv[1], sys.argv[2], mgr) == len(keys))
 print(h.p2p_tier(mgr).info.sid, flush=True)
 time.sleep(600)
 """
 
 
-def serve_in_child(url: str, prefix: str, instance: str, n: int, lease_s: float) -> tuple[subprocess.Popen, str]:
-    """A process of its own holding chunks key(0..n-1) (values 0..n-1) and listing them; (process, its sid)."""
+def serve_in_child(url: str, prefix: str, instance: str, n: int, lease_s: float,
+                   shape: tuple[int, ...] = CHUNK) -> tuple[subprocess.Popen, str]:
+    """A process of its own holding chunks key(0..n-1) (values 0..n-1) of `shape` and listing them; (process,
+    its sid)."""
     code = CHILD.format(tests=str(ROOT / "tests"))
-    child = subprocess.Popen([sys.executable, "-c", code, url, prefix, instance, str(n), str(lease_s)],
+    child = subprocess.Popen([sys.executable, "-c", code, url, prefix, instance, str(n), str(lease_s),
+                              ",".join(map(str, shape))],
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert child.stdout is not None
     sid = child.stdout.readline().strip()

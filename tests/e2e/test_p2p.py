@@ -1,12 +1,13 @@
-"""End to end P2P sharing: two `lmcache-vllm serve` instances (kv_both, host memory only, no Redis payloads)
-share one redis-server as their P2P directory. Instance B serves a prompt only A has seen: it finds A's chunks
-in the directory and pulls them from A's transfer server; then A is SIGKILLed between two requests and B
-recomputes a prompt A had listed, within a bounded time.
+"""End to end P2P sharing: two `lmcache-vllm serve` instances with tensor_parallel_size=2 (kv_both, host memory
+only, no Redis payloads) share one redis-server as their P2P directory. Instance B serves a prompt only A has
+seen: each rank of B finds its chunks of A's rank in the directory and pulls them from that rank's transfer
+server; then A is SIGKILLed between two requests and B recomputes a prompt A had listed, within a bounded time.
 
-Like with like (lmcache_vllm/integration/vllm/testing/reference.py): the reference is vLLM alone, the same
-scheduler settings, with its own prefix cache: a prompt's cold answer, and its repeat with 512 of 600 tokens
-cached (what B loads from A: two whole 256-token chunks; vLLM's prefix cache serves 512 too). Every process
-computes on one thread (A bound to core 0, B to core 1, the reference to core 0).
+Like with like (lmcache_vllm/integration/vllm/testing/reference.py): the reference is vLLM alone at TP 2, the
+same scheduler settings, with its own prefix cache: a prompt's cold answer, and its repeat with 512 of 600
+tokens cached (what B loads from A: two whole 256-token chunks; vLLM's prefix cache serves 512 too). Every
+process runs its two ranks on one thread each (VLLM_CPU_OMP_THREADS_BIND="0|1" for A, B and the reference: A
+and B share the two cores, which slows them, not their numbers).
 """
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ SHARED = h.random_tokens(300, 600)  # A computes it, B loads 512 tokens of it fr
 KILLED = h.random_tokens(301, 600)  # A computes it, is killed, B recomputes it
 MAX_TOKENS = 8
 PULL_TIMEOUT_S = 2.0
+TP, BIND = 2, "0|1"  # one core per rank, the same in every process
 PREFIX = f"e2e-p2p-{uuid.uuid4().hex[:8]}:"
 
 
 def server_args(extra: dict) -> list[str]:
     return ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(h.connector(extra))]
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--tensor-parallel-size", str(TP),
+            "--distributed-executor-backend", "mp", "--kv-transfer-config", json.dumps(h.connector(extra))]
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +60,28 @@ def reference(tiny_model, tmp_path_factory):
     phases = [{"name": "shared", "prompts": [SHARED], "max_tokens": MAX_TOKENS},
               {"name": "shared_again", "prompts": [SHARED], "max_tokens": MAX_TOKENS},
               {"name": "killed", "prompts": [KILLED], "max_tokens": MAX_TOKENS}]
-    job = h.reference_job({"model": tiny_model, "llm_kwargs": h.llm_kwargs(), "phases": phases})
-    result = h.run_job(tmp_path_factory.mktemp("e2e_p2p_ref"), "reference", job, multiprocessing=True)
+    kwargs = h.llm_kwargs(tensor_parallel_size=TP, distributed_executor_backend="mp")
+    job = h.reference_job({"model": tiny_model, "llm_kwargs": kwargs, "phases": phases})
+    result = h.run_job(tmp_path_factory.mktemp("e2e_p2p_ref"), "reference", job, multiprocessing=True,
+                       threads_bind=BIND, timeout=900)
     return {name: h.phase(result, name)[0] for name in ("shared", "shared_again", "killed")}
 
 
-def instance(model: str, tmp: Path, directory: str, core: str) -> Iterator[tuple[str, Path]]:
-    """`lmcache-vllm serve` with P2P on, computing on `core`: (base URL, log path)."""
-    env = h.vllm_env(tmp, multiprocessing=True, threads_bind=core)
+def instance(model: str, tmp: Path, directory: str) -> Iterator[tuple[str, Path]]:
+    """`lmcache-vllm serve` with P2P on, TP 2: (base URL, log path)."""
+    env = h.vllm_env(tmp, multiprocessing=True, threads_bind=BIND)
     with serve(model, server_args(p2p_config(directory)), tmp, env) as (base, log):
         yield base, log
 
 
 @pytest.fixture(scope="module")
 def instance_a(tiny_model, tmp_path_factory, directory, reference):
-    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory, "0")
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory)
 
 
 @pytest.fixture(scope="module")
 def instance_b(tiny_model, tmp_path_factory, directory, instance_a):
-    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory, "1")
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory)
 
 
 def complete(base: str, model: str, prompt: list[int]) -> dict:
@@ -113,12 +117,12 @@ def test_b_serves_a_prompt_only_a_has_seen(instance_a, instance_b, reference, ti
     cold = complete(instance_a[0], tiny_model, SHARED)
     h.assert_like_with_like(cold, reference["shared"], what="A, cold")
     assert cold["num_cached_tokens"] == 0
-    wait_listed(directory, 2)  # A's two whole chunks
+    wait_listed(directory, 2 * TP)  # A's two whole chunks, on each rank
     warm = complete(instance_b[0], tiny_model, SHARED)
     assert warm["num_cached_tokens"] == 512, instance_b[1]
     h.assert_like_with_like(warm, reference["shared_again"], what="B, from A's chunks")
     assert metric(instance_b[0], tiny_model, "hit_tokens_total", "p2p") == 512
-    assert metric(instance_b[0], tiny_model, "p2p_pulled_chunks_total") == 2
+    assert metric(instance_b[0], tiny_model, "p2p_pulled_chunks_total") == 2 * TP  # rank r from A's rank r
 
 
 def test_a_killed_between_requests_b_recomputes_in_bounded_time(instance_a, instance_b, reference, tiny_model,
@@ -126,7 +130,7 @@ def test_a_killed_between_requests_b_recomputes_in_bounded_time(instance_a, inst
     before = listed(directory)
     first = complete(instance_a[0], tiny_model, KILLED)
     h.assert_like_with_like(first, reference["killed"], what="A, cold")
-    wait_listed(directory, before + 2)
+    wait_listed(directory, before + 2 * TP)
     os.killpg(h.server_group(instance_a[1]), signal.SIGKILL)  # A's API server, engine and worker
     t0 = time.monotonic()
     answer = complete(instance_b[0], tiny_model, KILLED)
