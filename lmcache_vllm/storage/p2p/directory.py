@@ -21,7 +21,6 @@ timeout; redis-py's errors reach the caller (the tier counts them as misses).
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -205,7 +204,3 @@ class Directory:
         if pool is not None:
             await pool.disconnect()
 
-
-async def bounded(coro: Any, timeout_s: float) -> Any:
-    """`coro` within `timeout_s` (TimeoutError past it)."""
-    return await asyncio.wait_for(coro, timeout_s)

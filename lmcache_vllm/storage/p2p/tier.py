@@ -191,7 +191,9 @@ class P2PTier(StorageBackend):
         next_refresh = 0.0
         while True:
             try:
-                await asyncio.wait_for(self._sync(next_refresh <= time.monotonic()), self.write_timeout_s * 4)
+                # A rewrite of many entries takes longer: the bound grows with them (4 calls' worth per 100k).
+                bound = self.write_timeout_s * 4 * (1 + len(self.adverts) // 100_000)
+                await asyncio.wait_for(self._sync(next_refresh <= time.monotonic()), bound)
                 if next_refresh <= time.monotonic():
                     next_refresh = time.monotonic() + self.refresh_s
             except asyncio.CancelledError:
