@@ -222,8 +222,9 @@ class TransferServer:
                                                     headers[index] if headers else None))
                 sent_bytes += obj.nbytes
             send_message(conn, wire.end_reply(len(objs)))
-            metrics.inc("pd_served_chunks", len(objs))
-            metrics.inc("pd_served_bytes", sent_bytes)
+            if request.op == wire.PULL:  # a FETCH's chunks are P2P's, counted by its source (keyed.py)
+                metrics.inc("pd_served_chunks", len(objs))
+                metrics.inc("pd_served_bytes", sent_bytes)
             return True
         except OSError as exc:  # the peer went away or stopped reading: it recomputes what it lacks
             logs.warn(logger, "pd_peer_gone", "request %s: decode instance gone while sending (%s)",
