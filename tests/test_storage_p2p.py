@@ -34,6 +34,7 @@ def test_b_loads_what_only_a_computed(url, redis_prefix):
         assert metrics.value("p2p_pulled_bytes", peer=label) == 3 * 8192
         assert metrics.value("chunk_hits", tier="p2p") == 3
         assert metrics.value("p2p_served_chunks") == 3
+        assert metrics.value("pd_served_chunks") == 0  # disaggregated prefill's count is its own
         assert metrics.value("p2p_pull_failures", reason="missing") == 0
         assert h.entries(url, redis_prefix, b) == 0  # pulled chunks are not listed again, nor written through
     assert h.servers(url, redis_prefix) == set()  # a clean close withdraws every entry
