@@ -27,8 +27,8 @@ def test_b_loads_what_only_a_computed(url, redis_prefix):
         h.store(a, keys[:3])
         h.wait_until(lambda: h.entries(url, redis_prefix, a) == 3, what="A's entries")
         assert b.prefix_tiers(keys) == [Tier.P2P] * 3
-        assert h.get_all(b, keys) == [0.0, 1.0, 2.0]  # pulled, verified and promoted into B's L1
-        assert b.contains(keys) == [True, True, True, False]
+        assert h.get_all(b, keys) == [0.0, 1.0, 2.0]  # pulled and verified
+        assert b.contains(keys) == [False] * 4  # not kept: each chunk stays where it was computed
         label = f"{h.p2p_tier(a).info.host}:{h.p2p_tier(a).server.port}"
         assert metrics.value("p2p_pulled_chunks", peer=label) == 3
         assert metrics.value("p2p_pulled_bytes", peer=label) == 3 * 8192
@@ -109,16 +109,19 @@ def test_a_killed_instance_is_a_bounded_miss_and_its_entries_expire(url, redis_p
         child.wait(10)
 
 
-def test_pulled_chunks_are_announced_as_kv_events(url, redis_prefix):
+@pytest.mark.parametrize("keep", [True, False])
+def test_kept_pulled_chunks_are_in_l1_and_announced_as_kv_events(url, redis_prefix, keep):
     keys = [h.key(i) for i in range(2)]
-    with h.manager(url, redis_prefix, "A") as a, h.manager(url, redis_prefix, "B") as b:
+    with h.manager(url, redis_prefix, "A") as a, h.manager(url, redis_prefix, "B", p2p_keep_pulled=keep) as b:
         h.store(a, keys)
         h.wait_until(lambda: h.entries(url, redis_prefix, a) == 2)
         kv_events.RECORDER.enabled = True
         kv_events.RECORDER.take()
         assert len(h.get_all(b, keys)) == 2
+        assert b.contains(keys) == [keep, keep]
         stored = [e for e in kv_events.RECORDER.take() if e.stored]
-        assert [e.medium for e in stored] == ["cpu", "cpu"]  # now in B's L1, as any promotion
+        assert [e.medium for e in stored] == (["cpu", "cpu"] if keep else [])  # in B's L1, as any promotion
+        assert h.entries(url, redis_prefix, b) == 0  # a copy is never listed
 
 
 def test_directory_costs_bytes_not_chunks(url, redis_prefix, capsys):

@@ -147,6 +147,9 @@ class ExtraConfig:
     p2p_pull_timeout_secs: float = setting(5.0, "longest silence of a peer during a pull; past it the rest is "
                                                 "recomputed and the peer skipped for p2p_peer_backoff_secs",
                                            check=SECONDS)
+    p2p_keep_pulled: bool = setting(False, "keep a chunk pulled from a peer in L1 (not listed): fewer pulls of "
+                                           "popular prefixes, but copies take L1 from chunks no other instance has; "
+                                           "false: the fleet's L1s hold each chunk once, where it was computed")
     p2p_lease_secs: float = setting(30.0, "an instance's directory entries expire this long after its last "
                                           "refresh (refreshed every third of it): a dead instance's entries go "
                                           "with its lease", check=greater_than(1, "seconds"))

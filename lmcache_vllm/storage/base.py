@@ -42,6 +42,8 @@ class StorageBackend(abc.ABC):
     # False for a tier that only knows where chunks are (P2P's directory): a write-through there is not a copy
     # others can read when this instance is gone (`StorageManager.wait_written` does not wait for it).
     holds_payloads = True
+    # Whether a chunk read from this tier is promoted into L1 (P2P: only with extra_config.p2p_keep_pulled).
+    promotes = True
 
     @classmethod
     def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,

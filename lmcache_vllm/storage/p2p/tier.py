@@ -13,8 +13,9 @@
   with one FETCH over the transfer protocol of disaggregated prefill (`transfer/client.py`'s `PeerTier`: every
   chunk's header checked against this instance's key, its payload's checksum and MAC), all at once. A dead,
   slow, refusing or lying peer gives misses (recomputed) and is skipped for `p2p_peer_backoff_secs`. What is
-  pulled goes into L1 only (the manager promotes it there): nothing from a peer is written through to a shared
-  tier.
+  pulled goes to the request's load only: it stays where it was computed, so the fleet's L1s hold each chunk
+  once (with `extra_config.p2p_keep_pulled` it is promoted into L1 too, not listed); nothing from a peer is
+  written through to a shared tier.
 - `attach(l1, identity, tiers)` (once the worker knows its instance and rank) starts this rank's transfer
   server, which serves FETCHes from L1 (`transfer/keyed.py`), on `p2p_host` and `p2p_init_ports[rank]` (a
   single port: port + rank; none: one the OS picks). Before it, the tier finds and lists nothing. With
@@ -118,6 +119,7 @@ class P2PTier(StorageBackend):
         self.server: Optional[TransferServer] = None
         self._l1: Optional[LocalCPUBackend] = None
         self.serve_disk = extra.p2p_serve_disk
+        self.promotes = extra.p2p_keep_pulled
         self._disk: Optional[LocalDiskBackend] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._spaces: set[str] = set()
