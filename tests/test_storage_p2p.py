@@ -11,6 +11,7 @@ import pytest
 
 from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.storage.p2p.directory import ServerInfo, chunk_id, chunks_key
+from lmcache_vllm.storage.p2p.peers import Backoff, PeerTrust
 from lmcache_vllm.storage.p2p.tier import plan_pulls
 from lmcache_vllm.storage.tier import Tier
 
@@ -143,6 +144,22 @@ def test_plan_takes_the_longest_stretch_of_one_server():
     assert plan_pulls([(a, b), (b,), (b, c), (c,), ()]) == [(b, 0, 3), (c, 3, 4)]
     assert plan_pulls([(a,), (), (a,)]) == [(a, 0, 1)]
     assert plan_pulls([]) == []
+
+
+def test_trust_is_loopback_and_the_allow_list():
+    trust = PeerTrust(["10.1.0.0/16", "192.0.2.9", "gpu-7.lan"], resolve=lambda name: "198.51.100.7")
+    assert trust("127.0.0.1") and trust("::1") and trust("::ffff:127.0.0.1") and trust("localhost")
+    assert trust("10.1.200.3") and trust("192.0.2.9") and trust("198.51.100.7") and trust("gpu-7.lan")
+    assert not trust("10.2.0.1") and not trust("192.0.2.10") and not trust("evil.example") and not trust("")
+
+
+def test_backoff_skips_a_failed_peer_for_a_while():
+    now = [0.0]
+    backoff = Backoff(10.0, clock=lambda: now[0])
+    backoff.failed("a")
+    assert backoff.skipped("a") and not backoff.skipped("b")
+    now[0] = 10.5
+    assert not backoff.skipped("a")
 
 
 def test_chunk_ids_are_8_bytes_of_the_key():
