@@ -218,7 +218,7 @@ def transfer(quick: bool, redis_url: str) -> dict:
                               _common.REPO_ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         raw_port = int(child.stdout.readline())
-        time.sleep(0.5)  # its entries written (every 50 ms)
+        time.sleep(0.5)  # its entries written
         keys = [f"bench@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}" for i in range(n)]
         buffer = np.empty(nbytes, dtype=np.uint8)
         buffer.fill(0)

@@ -1,7 +1,8 @@
 """`P2PTier`: other instances' L1 as one lower tier (between the disk and Redis), through a directory on Redis.
 
 - `put(key)` (the write-through of a chunk this instance stored in L1) lists it in the directory; L1's removal
-  listener withdraws it. The changes are written in batches by a task on the storage loop every `FLUSH_S`, and
+  listener withdraws it. The changes are written in batches by a task on the storage loop (an addition wakes it
+  at once, so a peer finds a chunk right after it was stored; withdrawals wait for the next `TICK_S`), and
   every entry's lease is renewed each third of `extra_config.p2p_lease_secs` (`directory.py`); when the
   directory lost them (it was unreachable past the lease, or restarted), everything is written again.
 - `contains(keys)`: one batched directory query, bounded by `extra_config.p2p_lookup_timeout_secs`; a slow or
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FLUSH_S = 0.05  # how often pending additions and withdrawals are written
+TICK_S = 0.1  # withdrawals are written at least this often; additions at once (batched while one is written)
 MAX_REMEMBERED = 8192  # keys whose holders a lookup found, kept for the pull that follows
 BACKED_OFF = ("timeout", "unreachable", "corrupt", "refused")  # pull failures that are the peer's
 
@@ -126,6 +127,7 @@ class P2PTier(StorageBackend):
         self._registered: frozenset[str] | None = None  # the spaces last written into the directory
         self._dirty = True  # the directory's copy of this rank's entries may be incomplete: rewrite them all
         self._task: Optional[asyncio.Task[None]] = None
+        self._wake = asyncio.Event()  # set (on the storage loop) when there is something to list
         self._where: dict[str, tuple[ServerInfo, ...]] = {}
         self._warned: set[str] = set()
         self._unregister = metrics.register_gauges(self._gauge_values)
@@ -180,6 +182,7 @@ class P2PTier(StorageBackend):
             self._spaces.add(space)
         self.adverts.add(key)
         self._ensure_task()
+        self._wake.set()
         return True
 
     def _ensure_task(self) -> None:
@@ -207,7 +210,11 @@ class P2PTier(StorageBackend):
                 logs.warn(logger, "p2p_advertise_failed", "P2P: writing this instance's entries into the "
                           "directory %s failed (%r); retried", self.target.display(), exc)
                 await asyncio.sleep(min(1.0, self.refresh_s))
-            await asyncio.sleep(FLUSH_S)
+            try:
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
 
     async def _sync(self, renew: bool) -> None:
         assert self.info is not None
