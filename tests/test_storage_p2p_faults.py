@@ -178,19 +178,17 @@ def test_a_lying_peer_is_a_miss_and_skipped_for_a_while(url, redis_prefix, answe
 
 
 def test_a_peer_killed_mid_pull_leaves_a_verified_prefix(url, redis_prefix):
-    n, shape = 24, (8, 2, 256, 256)  # 2 MiB chunks: more than the sockets' buffers hold
+    n, shape = 48, (8, 2, 256, 256)  # 96 MiB in 2 MiB chunks: far more than the sockets' buffers hold
     child, _sid = h.serve_in_child(url, redis_prefix, "A", n, lease_s=30.0, shape=shape)
     try:
         with h.manager(url, redis_prefix, "B", l1_mib=n * 2 + 8, p2p_pull_timeout_secs=2.0) as b:
-            first = threading.Event()
-            real_alloc = b.l1.try_allocate
+            def kill_after_the_first_chunk() -> None:
+                deadline = time.monotonic() + 30
+                while not metrics.snapshot()["counters"].get("p2p_pulled_chunks") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                child.kill()
 
-            def alloc(shape_, dtype):  # the pulling side's allocator, watched: the first chunk is coming
-                first.set()
-                return real_alloc(shape_, dtype)
-
-            b.l1.try_allocate = alloc
-            killer = threading.Thread(target=lambda: first.wait(30) and child.kill())
+            killer = threading.Thread(target=kill_after_the_first_chunk)
             killer.start()
             keys = [h.key(i) for i in range(n)]
             t0 = time.monotonic()
