@@ -28,7 +28,10 @@ def key(i: int, model: str = "m", tp: str = "tp1.0") -> str:
 
 
 def config(url: str, prefix: str, *, l1_mib: float = 8, disk: Any = None, **extra: Any) -> LMCacheConfig:
+    """P2P over the directory at `url`; lookups bounded by 5 s unless a test says otherwise (a loaded 2-core CI
+    machine can take longer than the default 0.5 s for a round trip, which a test would read as a miss)."""
     tiers = {"local_disk": str(disk), "max_local_disk_size": 0.1} if disk is not None else {}
+    extra.setdefault("p2p_lookup_timeout_secs", 5.0)
     return LMCacheConfig(max_local_cpu_size=l1_mib * MiB / (1 << 30), enable_p2p=True, blocking_timeout_secs=5.0,
                          extra_config={"p2p_directory_url": url, "remote_key_prefix": prefix, "close_drain_secs": 1.0,
                                        **extra}, **tiers)

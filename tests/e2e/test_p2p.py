@@ -52,7 +52,9 @@ def directory(redis_server) -> str:
 def p2p_config(directory: str) -> dict:
     return {"enable_p2p": True, "p2p_host": "127.0.0.1", "max_local_cpu_size": 0.25,
             "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX,
-                             "p2p_pull_timeout_secs": PULL_TIMEOUT_S, "p2p_lease_secs": 30.0}}
+                             "p2p_pull_timeout_secs": PULL_TIMEOUT_S, "p2p_lease_secs": 30.0,
+                             # a loaded CI machine may answer slower than the default 0.5 s (a miss here)
+                             "p2p_lookup_timeout_secs": 2.0}}
 
 
 @pytest.fixture(scope="module")
