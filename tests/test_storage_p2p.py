@@ -11,8 +11,7 @@ import pytest
 
 from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.storage.p2p.directory import ServerInfo, chunk_id, chunks_key
-from lmcache_vllm.storage.p2p.peers import Backoff, PeerTrust
-from lmcache_vllm.storage.p2p.tier import plan_pulls
+from lmcache_vllm.storage.p2p.peers import Backoff, PeerTrust, plan_pulls
 from lmcache_vllm.storage.tier import Tier
 
 

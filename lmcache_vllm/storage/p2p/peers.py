@@ -1,6 +1,6 @@
 """What the P2P tier knows about other instances' servers, besides the directory: whom it trusts
-(`PeerTrust`), whom it skips for a while after a failed pull (`Backoff`), and the bounded `peer` label of its
-metrics (`PeerLabels`).
+(`PeerTrust`), whom it skips for a while after a failed pull (`Backoff`), the bounded `peer` label of its
+metrics (`PeerLabels`), and which server each stretch of a hit is pulled from (`plan_pulls`).
 
 Trust follows disaggregated prefill's rule: a peer is trusted when its chunks are authenticated by the chunk MAC
 (a secret is set: every chunk is verified with it), or when its address is loopback or in
@@ -15,6 +15,8 @@ import socket
 import threading
 import time
 from typing import Callable, Sequence, Union
+
+from lmcache_vllm.storage.p2p.directory import ServerInfo
 
 Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 MAX_LABELS = 16  # distinct peers named in metric labels; later ones are "other"
@@ -90,3 +92,21 @@ class PeerLabels:
             if len(self._labels) < 4 * MAX_LABELS:
                 self._labels[sid] = label
         return label
+
+
+def plan_pulls(holders: Sequence[Sequence[ServerInfo]]) -> list[tuple[ServerInfo, int, int]]:
+    """(server, start, end) stretches covering the longest run of keys some server holds, from key 0: at each
+    key, the server holding the longest stretch from there (ties: the first named)."""
+    plan: list[tuple[ServerInfo, int, int]] = []
+    i = 0
+    while i < len(holders) and holders[i]:
+        best, best_end = holders[i][0], i + 1
+        for server in holders[i]:
+            end = i + 1
+            while end < len(holders) and any(s.sid == server.sid for s in holders[end]):
+                end += 1
+            if end > best_end:
+                best, best_end = server, end
+        plan.append((best, i, best_end))
+        i = best_end
+    return plan

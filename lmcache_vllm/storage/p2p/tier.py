@@ -43,7 +43,7 @@ from lmcache_vllm.storage.base import InstanceIdentity, StorageBackend, gather_o
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.p2p.adverts import Adverts
 from lmcache_vllm.storage.p2p.directory import Directory, ServerInfo, chunk_id, key_space
-from lmcache_vllm.storage.p2p.peers import Backoff, PeerLabels, PeerTrust
+from lmcache_vllm.storage.p2p.peers import Backoff, PeerLabels, PeerTrust, plan_pulls
 from lmcache_vllm.storage.redis.client import ClientSettings, async_client
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.transfer import wire
@@ -375,20 +375,3 @@ class P2PTier(StorageBackend):
     def _gauge_values(self) -> list[tuple[str, dict[str, str], float]]:
         return [("p2p_directory_entries", {}, float(len(self.adverts)))]
 
-
-def plan_pulls(holders: Sequence[Sequence[ServerInfo]]) -> list[tuple[ServerInfo, int, int]]:
-    """(server, start, end) stretches covering the longest run of keys some server holds, from key 0: at each
-    key, the server holding the longest stretch from there (ties: the first named)."""
-    plan: list[tuple[ServerInfo, int, int]] = []
-    i = 0
-    while i < len(holders) and holders[i]:
-        best, best_end = holders[i][0], i + 1
-        for server in holders[i]:
-            end = i + 1
-            while end < len(holders) and any(s.sid == server.sid for s in holders[end]):
-                end += 1
-            if end > best_end:
-                best, best_end = server, end
-        plan.append((best, i, best_end))
-        i = best_end
-    return plan
