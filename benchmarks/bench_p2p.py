@@ -42,6 +42,8 @@ from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env 
 CHUNK = 256
 CHUNK_SHAPE = (8, 2, 256, 256)  # the medium model's stored chunk: 2 MiB of bf16
 TIERS = ("local_cpu", "local_disk", "redis", "p2p")
+P2P_COUNTS = ("p2p_lookups", "p2p_lookup_failures", "p2p_pulled_chunks", "p2p_pull_failures", "p2p_skipped_peers",
+              "pending_lookups", "failed_load_tokens")
 
 
 def chunk_bytes(model_dir: str) -> int:
@@ -135,6 +137,9 @@ def serving_run(name: str, tmp: Path, model: str, kv_config: dict, workload: lis
                                         - b.get(("lmcache_vllm:hit_tokens_total", tier), 0.0)
                                         for a, b in zip(after, before))
     row["hit_tokens"] = sum(row[f"hit_{t}_tokens"] for t in TIERS)
+    for name in P2P_COUNTS:  # what P2P did (and where it lost hits), summed over both instances
+        metric = f"lmcache_vllm:{name}_total"
+        row[name] = sum(a.get((metric, ""), 0.0) - b.get((metric, ""), 0.0) for a, b in zip(after, before))
     row.update(stored)
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms, "
           f"hits {row['hit_tokens']:.0f} tokens", flush=True)
