@@ -6,7 +6,8 @@
    `bench serve` (`prefix_repetition`, concurrency 4), in three configurations, each on fresh servers:
    (a) `none`: each instance its own L1, no sharing; (b) `redis`: L1 + a Redis payload tier both instances
    share (`remote_url`); (c) `p2p`: L1 + `enable_p2p`, the directory in the same redis-server. The working set
-   (the prefixes' whole chunks) is larger than one instance's L1 and smaller than two (L1 = 0.7 of it). vLLM's
+   (the prefixes' whole chunks) is larger than one instance's L1 and smaller than two (L1 = 0.7 of it;
+   `--l1-fraction`). vLLM's
    own prefix cache is off in all three, so every hit is ours. Every instance computes on one thread, instance
    i on core i (mod the cores), the same binding in every configuration.
    Ratios (> 1: P2P better): `p2p_hits_vs_<a|b>_ratio` (prompt tokens served by our tiers), throughput, TTFT p50
@@ -146,7 +147,7 @@ def serving_run(name: str, tmp: Path, model: str, kv_config: dict, workload: lis
     return row
 
 
-def serving(quick: bool, tmp: Path, redis_url: str) -> dict:
+def serving(quick: bool, tmp: Path, redis_url: str, l1_fraction: float) -> dict:
     from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     model = str(build_model("tiny" if quick else "medium"))
@@ -158,7 +159,7 @@ def serving(quick: bool, tmp: Path, redis_url: str) -> dict:
     workload = shared_prefixes(prefixes, prefix_len, suffix_len, 8 if quick else 16,
                                4 * prefixes if quick else 5 * prefixes)
     working_set = prefixes * whole * chunk_bytes(model)
-    l1_gb = 0.7 * working_set / (1 << 30)
+    l1_gb = l1_fraction * working_set / (1 << 30)
     cores = sorted(os.sched_getaffinity(0))
     redis_prefix, p2p_prefix = f"bench-p2p-r-{uuid.uuid4().hex[:6]}:", f"bench-p2p-d-{uuid.uuid4().hex[:6]}:"
     plan = {"none": connector(l1_gb, {}),
@@ -267,6 +268,9 @@ def summarize(result: dict) -> dict:
 def main() -> None:
     def add_arguments(p) -> None:
         p.add_argument("--only", choices=("serving", "transfer"), help="run one part only")
+        p.add_argument("--l1-fraction", type=float, default=0.7,
+                       help="each instance's L1 as a fraction of the working set (0.5-1: larger than one, smaller "
+                            "than two)")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     res: dict = {"cpu": _common.cpu_model()}
@@ -274,7 +278,7 @@ def main() -> None:
         redis_proc, redis_url = _common.start_redis(tmpdir)
         try:
             if args.only != "transfer":
-                res.update(summarize(serving(args.quick, Path(tmpdir), redis_url)))
+                res.update(summarize(serving(args.quick, Path(tmpdir), redis_url, args.l1_fraction)))
             if args.only != "serving":
                 res.update(transfer(args.quick, redis_url))
         finally:
