@@ -7,9 +7,8 @@
    (a) `none`: each instance its own L1, no sharing; (b) `redis`: L1 + a Redis payload tier both instances
    share (`remote_url`); (c) `p2p`: L1 + `enable_p2p`, the directory in the same redis-server. The working set
    (the prefixes' whole chunks) is larger than one instance's L1 and smaller than two (L1 = 0.7 of it;
-   `--l1-fraction`). vLLM's
-   own prefix cache is off in all three, so every hit is ours. Every instance computes on one thread, instance
-   i on core i (mod the cores), the same binding in every configuration.
+   `--l1-fraction`). vLLM's own prefix cache is off in all three, so every hit is ours. Every instance computes
+   on one thread, instance i on core i (mod the cores), the same binding in every configuration.
    Ratios (> 1: P2P better): `p2p_hits_vs_<a|b>_ratio` (prompt tokens served by our tiers), throughput, TTFT p50
    (a's or b's over P2P's); `directory_vs_redis_memory_ratio` = the directory's Redis memory over (b)'s Redis
    memory for the same workload (`MEMORY USAGE` of every key; goal <= 0.02), and bytes per chunk of each.
