@@ -137,9 +137,9 @@ def serving_run(name: str, tmp: Path, model: str, kv_config: dict, workload: lis
                                         - b.get(("lmcache_vllm:hit_tokens_total", tier), 0.0)
                                         for a, b in zip(after, before))
     row["hit_tokens"] = sum(row[f"hit_{t}_tokens"] for t in TIERS)
-    for name in P2P_COUNTS:  # what P2P did (and where it lost hits), summed over both instances
-        metric = f"lmcache_vllm:{name}_total"
-        row[name] = sum(a.get((metric, ""), 0.0) - b.get((metric, ""), 0.0) for a, b in zip(after, before))
+    for count in P2P_COUNTS:  # what P2P did (and where it lost hits), summed over both instances
+        metric = f"lmcache_vllm:{count}_total"
+        row[count] = sum(a.get((metric, ""), 0.0) - b.get((metric, ""), 0.0) for a, b in zip(after, before))
     row.update(stored)
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms, "
           f"hits {row['hit_tokens']:.0f} tokens", flush=True)
