@@ -189,6 +189,61 @@ def staged_chunks(num: int, shape: tuple):
     return chunks, keys, src_objs, dst_alloc
 
 
+def serve_raw(buffers: list) -> int:
+    """A loopback listener on a thread of its own that sends every one of `buffers` (numpy arrays) to each
+    connection, then closes it: the raw side `read_raw` reads from. Returns its port."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                for buffer in buffers:
+                    conn.sendall(buffer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def read_raw(port: int, buffer) -> float:
+    """Seconds to receive len(`buffer`) bytes from a loopback server on `port` into `buffer` (a preallocated numpy
+    array): the floor a transfer between instances is compared with (one kernel copy, nothing checked)."""
+    nbytes = len(buffer)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        view, got = memoryview(buffer), 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], nbytes - got)
+    return time.perf_counter() - t0
+
+
+def pulls_against_raw(mgr, keys: list[str], prefetch: Callable[[int], object], raw_port: int, buffer,
+                      repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each pull of `keys` into `mgr`'s emptied L1 (`prefetch(round)` returns the prefetch handle),
+    alternating with reading the same bytes raw from `raw_port` (`read_raw`); the first round warms both up
+    and is left out. RuntimeError when a pull brings fewer chunks."""
+    ours, raw = [], []
+    for rep in range(repeats + 1):
+        raw_s = read_raw(raw_port, buffer)
+        mgr.l1.clear_sync()
+        t0 = time.perf_counter()
+        handle = prefetch(rep)
+        got = handle.wait(120)  # type: ignore[attr-defined]
+        ours_s = time.perf_counter() - t0
+        if got != len(keys):
+            raise RuntimeError(f"pulled {got} of {len(keys)} chunks")
+        for obj in mgr.get(keys, owner=handle.owner, lower_tiers=False):  # type: ignore[attr-defined]
+            obj.ref_down()
+        if rep:
+            ours.append(ours_s)
+            raw.append(raw_s)
+    return ours, raw
+
+
 def cpu_model() -> str:
     """The CPU's model name (the benchmarks' figures depend on it: AMD EPYC or Intel with AMX here)."""
     try:

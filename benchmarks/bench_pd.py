@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO_ROOT, gbps, parse_args, print_table, write_json
+from _common import REPO_ROOT, gbps, parse_args, print_table, pulls_against_raw, write_json
 
 CHUNK_SHAPE = (8, 2, 256, 256)  # the medium model's stored chunk: 2 MiB of bf16
 _CHILD = r"""
-import socket, sys, threading, time, torch
+import sys, torch
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.storage.transfer.holds import PeerHolds
 from lmcache_vllm.storage.transfer.server import TransferServer
@@ -51,17 +50,10 @@ for h in range(holds_count):
     holds.expect(f"req-{h}")
     holds.fill(f"req-{h}", keys, objs)  # makes the wire headers, as a prefill instance fills its holds
 server = TransferServer(holds, host="127.0.0.1", port=0)
-raw = socket.socket()
-raw.bind(("127.0.0.1", 0))
-raw.listen(8)
-def raw_serve():
-    while True:
-        conn, _ = raw.accept()
-        for obj in objs:
-            conn.sendall(obj.tensor.view(torch.uint8).numpy())
-        conn.close()
-threading.Thread(target=raw_serve, daemon=True).start()
-print(server.port, raw.getsockname()[1], flush=True)
+sys.path.insert(0, sys.argv[4])
+from _common import serve_raw
+raw_port = serve_raw([obj.tensor.view(torch.uint8).numpy() for obj in objs])
+print(server.port, raw_port, flush=True)
 sys.stdin.read()
 """
 
@@ -76,8 +68,9 @@ def _transfer(num_chunks: int, repeats: int) -> dict:
 
     nbytes = num_chunks * torch.Size(CHUNK_SHAPE).numel() * 2
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(num_chunks), str(repeats + 1),
-                              ",".join(map(str, CHUNK_SHAPE))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                              ",".join(map(str, CHUNK_SHAPE)), os.path.dirname(os.path.abspath(__file__))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     try:
         peer_port, raw_port = map(int, child.stdout.readline().split())
         keys = [f"bench@-@tp1.0@pp1.0@bfloat16@v2@{i:032x}" for i in range(num_chunks)]
@@ -85,28 +78,11 @@ def _transfer(num_chunks: int, repeats: int) -> dict:
         buffer.fill(0)  # pages faulted in before timing
         config = LMCacheConfig(max_local_cpu_size=(nbytes * 1.2 + (64 << 20)) / (1 << 30),
                                extra_config={"prefault_local_cpu": "sync"})
-        ours, raw = [], []
         with StorageManager(config) as mgr:
-            for rep in range(repeats + 1):  # the first round warms both paths up
-                t0 = time.perf_counter()
-                with socket.create_connection(("127.0.0.1", raw_port)) as sock:
-                    view, got = memoryview(buffer), 0
-                    while got < nbytes:
-                        got += sock.recv_into(view[got:], nbytes - got)
-                raw_s = time.perf_counter() - t0
-                mgr.l1.clear_sync()
-                t0 = time.perf_counter()
-                handle = mgr.prefetch(keys, peer=PeerTier(PeerSource("127.0.0.1", peer_port, f"req-{rep}"),
-                                                          timeout_s=30))
-                got_chunks = handle.wait(120)
-                ours_s = time.perf_counter() - t0
-                if got_chunks != num_chunks:
-                    raise RuntimeError(f"pulled {got_chunks} of {num_chunks} chunks")
-                for obj in mgr.get(keys, owner=handle.owner, lower_tiers=False):
-                    obj.ref_down()
-                if rep:
-                    ours.append(ours_s)
-                    raw.append(raw_s)
+            def pull(rep: int):
+                return mgr.prefetch(keys, peer=PeerTier(PeerSource("127.0.0.1", peer_port, f"req-{rep}"), timeout_s=30))
+
+            ours, raw = pulls_against_raw(mgr, keys, pull, raw_port, buffer, repeats)
     finally:
         child.stdin.close()
         child.wait(30)

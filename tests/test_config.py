@@ -254,7 +254,7 @@ def test_relative_and_false_local_disk(tmp_path):
     assert load_config(environ=write_yaml(tmp_path, "local_disk: null\n")).local_disk is None
 
 
-@pytest.mark.parametrize("key,value", [("enable_p2p", True), ("enable_blending", "true"),
+@pytest.mark.parametrize("key,value", [("enable_blending", "true"),
                                        ("gds_path", "/mnt/gds"), ("maru_path", "/dev/dax0"),
                                        ("enable_controller", True), ("enable_pd", True),
                                        ("priority_limit", 3)])
@@ -269,8 +269,8 @@ def test_unsupported_keys_at_lmcache_default_are_accepted(tmp_path):
                                "gds_path: null\nmp_port: 5555\nblend_special_str: ' # # '\n")
     env["LMCACHE_ENABLE_CONTROLLER"] = "false"
     cfg = load_config(environ=env)
-    assert cfg.chunk_size == 256 and not hasattr(cfg, "enable_p2p")
-    assert problems_of(environ={"LMCACHE_ENABLE_P2P": "1"}).keys == {"enable_p2p"}
+    assert cfg.chunk_size == 256 and cfg.enable_p2p is False
+    assert problems_of(environ={"LMCACHE_ENABLE_CONTROLLER": "1"}).keys == {"enable_controller"}
 
 
 @pytest.mark.parametrize("text,fragment", [

@@ -187,6 +187,36 @@ STABLE = [
      "a peer that read nothing for its I/O timeout)"),
     ("pd_prefill_requests", "counter", (),
      'Requests a prefill instance answered with kv_transfer_params for a decode instance'),
+    ("p2p_pulled_chunks", "counter", ('peer',),
+     'Chunks pulled from another instance (peer: its host:port, the first 16 seen; later ones: other) and verified'),
+    ("p2p_pulled_bytes", "counter", ('peer',),
+     'Bytes of the chunks pulled from other instances'),
+    ("p2p_pull_seconds", "histogram", ('peer',),
+     "Time of one pull from one peer's rank, first request to last frame"),
+    ("p2p_pull_failures", "counter", ('reason',),
+     'Pulls from a peer that did not bring every chunk asked for (reason: timeout, unreachable, refused,'
+     ' missing, corrupt, no_memory); the rest was recomputed, and a peer that timed out, was unreachable,'
+     ' refused or sent what did not verify is skipped for a while'),
+    ("p2p_served_chunks", "counter", (),
+     "Chunks this instance's transfer servers sent to peers from L1"),
+    ("p2p_served_bytes", "counter", (),
+     'Bytes of the chunks sent to peers'),
+    ("p2p_refused_fetches", "counter", (),
+     'Requests for chunks refused because the peer is not trusted (no chunk MAC key, and neither loopback'
+     ' nor in extra_config.pd_peers)'),
+    ("p2p_lookups", "counter", (),
+     'Directory lookups (one per batch of keys missing in L1 and disk)'),
+    ("p2p_lookup_seconds", "histogram", (),
+     'Time of one directory lookup'),
+    ("p2p_lookup_failures", "counter", ('reason',),
+     'Directory lookups answered as misses because the directory did not answer within'
+     ' extra_config.p2p_lookup_timeout_secs (timeout) or failed (error)'),
+    ("p2p_skipped_peers", "counter", ('reason',),
+     'Peers a lookup left out: backoff (a recent pull failed), untrusted (no chunk MAC key and not in'
+     ' extra_config.pd_peers, or no IP address), unsigned (with a chunk MAC key: a directory entry not signed'
+     ' with it), tp_mismatch (the same model at another TP size)'),
+    ("p2p_directory_failures", "counter", ('op',),
+     "Writes of this instance's directory entries that failed (op: advertise); retried, and every entry written again"),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),
@@ -212,6 +242,8 @@ STABLE = [
      'Bytes of L1 chunks held for decode instances'),
     ("pd_server_connections", "gauge", (),
      "Connections open to a prefill instance's transfer servers"),
+    ("p2p_directory_entries", "gauge", (),
+     'Chunks this instance lists in the P2P directory (its L1; what peers can pull)'),
 ]
 
 

@@ -138,12 +138,31 @@ class ExtraConfig:
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
     pd_peers: list[str] = setting(
-        meaning="the prefill instances a decode instance pulls from without chunk_mac_key (kv_transfer_params come "
-        "from clients, so they may name any host): host names, addresses or networks (10.0.0.0/24). Loopback "
-        "is always allowed, but chunks pulled from an unlisted loopback peer stay in L1 (never written to disk "
-        "or Redis); chunks from a listed peer, or verified with the MAC, are stored like any other. With "
-        "chunk_mac_key set, prefill instances sign their params and any signed peer is pulled from",
+        meaning="the other instances this one pulls from without chunk_mac_key: prefill instances (kv_transfer_params "
+        "come from clients, so they may name any host) and P2P peers (the directory names them): host names, "
+        "addresses or networks (10.0.0.0/24). Loopback is always allowed, but chunks pulled from an unlisted "
+        "loopback prefill instance stay in L1 (never written to disk or Redis); chunks from a listed peer, or "
+        "verified with the MAC, are stored like any other. With chunk_mac_key set, prefill instances sign their "
+        "params and any signed peer is pulled from",
         check=check_peers, default_factory=list)
+    # Peer-to-peer sharing (enable_p2p; docs/P2P.md)
+    p2p_directory_url: Optional[str] = setting(None, "the P2P directory (which instance holds which chunk: keys "
+                                                     "and addresses, never KV): any form remote_url accepts; "
+                                                     "null: remote_url")
+    p2p_serve_disk: bool = setting(False, "also list and serve the chunks of local_disk (read into L1 for a pull)")
+    p2p_lookup_timeout_secs: float = setting(0.5, "longest wait for the directory's answer to one lookup; past "
+                                                  "it: a miss (counted), never a stalled step", check=SECONDS)
+    p2p_pull_timeout_secs: float = setting(5.0, "longest silence of a peer during a pull; past it the rest is "
+                                                "recomputed and the peer skipped for p2p_peer_backoff_secs",
+                                           check=SECONDS)
+    p2p_keep_pulled: bool = setting(False, "keep a chunk pulled from a peer in L1 (not listed): fewer pulls of "
+                                           "popular prefixes, but copies take L1 from chunks no other instance has; "
+                                           "false: the fleet's L1s hold each chunk once, where it was computed")
+    p2p_lease_secs: float = setting(30.0, "an instance's directory entries expire this long after its last "
+                                          "refresh (refreshed every third of it): a dead instance's entries go "
+                                          "with its lease", check=greater_than(1, "seconds"))
+    p2p_peer_backoff_secs: float = setting(10.0, "a peer that failed a pull (dead, slow, or sent what did not "
+                                                 "verify) is not asked again for this long", check=SECONDS)
     # KV copies on a GPU
     cuda_kernel: str = setting("auto", "the CUDA gather/scatter kernel: 'auto' (used for a KV layout once it gave "
                                        "the torch path's bytes on a scratch copy of that layout; otherwise an "

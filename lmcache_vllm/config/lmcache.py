@@ -48,15 +48,16 @@ def lacks(tp: Any, off: Any, reason: str, part_of: tuple[str, ...] = (), since: 
 OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 Ints, Strs, Floats = Optional[list[int]], Optional[list[str]], Optional[list[float]]
 PD = ("enable_pd", "enable_xpyd", "enable_nixl")  # disaggregated prefill: 0.5.6's switch, older ones
-P2P = ("enable_p2p",)
 CONTROLLER = ("enable_controller",)
 API_SERVER = ("internal_api_server_enabled",)
 BLEND = ("enable_blending",)
 _PD = "LMCache's disaggregated prefill (P pushes KV GPU to GPU over NIXL to D's listener, LMCache's proxy " \
       "protocol); lmcache-vllm speaks vLLM's protocol instead (kv_transfer_params, D pulls from P; no switch, " \
       "settings extra_config.pd_*: docs/DISAGGREGATED.md) or goes through Redis (kv_producer / kv_consumer)"
-_P2P = "peer-to-peer sharing of L1 between instances; lmcache-vllm shares through remote_url (Redis)"
-_CONTROLLER = "the cache controller (a central service tracking every instance's cache)"
+_P2P_OURS = "lmcache-vllm's P2P finds peers in a directory on Redis (enable_p2p with extra_config.p2p_directory_url " \
+            "or remote_url; docs/P2P.md)"
+_CONTROLLER = f"the cache controller (a central service tracking every instance's cache); {_P2P_OURS}, no " \
+              f"controller"
 _API = "LMCache's internal HTTP API server"
 _BLEND = "CacheBlend (reusing KV of non-prefix text); lmcache-vllm reuses prefixes only"
 _GDS = "the GPU Direct Storage backend (cuFile); lmcache-vllm's disk tier is local_disk"
@@ -104,11 +105,10 @@ LMCACHE_KEYS: dict[str, KeyRule] = {
     "blend_min_tokens": lacks(int, 256, _BLEND, BLEND),
     "blend_special_str": lacks(str, " # # ", _BLEND, BLEND),
     # ---- P2P, controller, multi-process server, API server
-    "enable_p2p": lacks(bool, False, _P2P),
-    "p2p_host": lacks(OptStr, None, _P2P, P2P),
-    "p2p_init_ports": lacks(Ints, None, _P2P, P2P),
-    "p2p_lookup_ports": lacks(Ints, None, _P2P, P2P),
-    "transfer_channel": lacks(OptStr, None, "the transfer channel of PD and P2P", PD + P2P),
+    "p2p_lookup_ports": lacks(Ints, None, f"LMCache's P2P lookups through its controller; {_P2P_OURS}",
+                              CONTROLLER),
+    "transfer_channel": noop("the transfer channel of LMCache's PD and P2P (nixl, ...); lmcache-vllm moves chunks "
+                             "between instances over its own TCP transport"),
     "mp_host": lacks(OptStr, None, "LMCache's multi-process server mode (a separate cache process)"),
     "mp_port": lacks(int, 5555, "LMCache's multi-process server mode (a separate cache process)"),
     "enable_controller": lacks(bool, False, _CONTROLLER),
@@ -147,9 +147,9 @@ LMCACHE_KEYS: dict[str, KeyRule] = {
     "pd_backend_mode": lacks(OptStr, "async", _PD, PD),
     "pd_skip_proxy_notification": lacks(bool, False, _PD, PD),
     "pd_bidirectional": lacks(bool, False, _PD, PD),
-    "nixl_backends": lacks(Strs, None, "NIXL transfers (PD, P2P)", PD + P2P),
-    "nixl_buffer_size": lacks(OptInt, None, "NIXL transfers (PD, P2P)", PD + P2P),
-    "nixl_buffer_device": lacks(OptStr, None, "NIXL transfers (PD, P2P)", PD + P2P),
+    "nixl_backends": lacks(Strs, None, "NIXL transfers (PD, P2P)", PD),
+    "nixl_buffer_size": lacks(OptInt, None, "NIXL transfers (PD, P2P)", PD),
+    "nixl_buffer_device": lacks(OptStr, None, "NIXL transfers (PD, P2P)", PD),
     # ---- scheduling and lookups
     "priority_limit": lacks(OptInt, None, "skipping saves of requests above a priority"),
     "external_lookup_client": lacks(OptStr, None, "an external lookup service"),
@@ -208,8 +208,8 @@ LMCACHE_KEYS: dict[str, KeyRule] = {
     "nixl_receiver_host": lacks(OptStr, None, _PD, PD, "0.2"),
     "nixl_receiver_port": lacks(OptInt, None, _PD, PD, "0.2"),
     "nixl_enable_gc": lacks(bool, False, _PD, PD, "0.2"),
-    "lookup_url": lacks(OptStr, None, _P2P, P2P + CONTROLLER, "0.2"),
-    "distributed_url": lacks(OptStr, None, _P2P, P2P + CONTROLLER, "0.2"),
+    "lookup_url": lacks(OptStr, None, f"LMCache 0.2's P2P lookup server; {_P2P_OURS}", CONTROLLER, "0.2"),
+    "distributed_url": lacks(OptStr, None, f"LMCache 0.2's P2P transfer server; {_P2P_OURS}", CONTROLLER, "0.2"),
     "async_loading": noop("not an LMCache key (LMCache ignores it too); the key is enable_async_loading",
                           "an LMCache example"),
     "local_disk_path": mapped("local_disk", "the L2 directory, as guides write it (with local_disk: true)",
@@ -232,7 +232,9 @@ LMCACHE_EXTRA_KEYS: dict[str, KeyRule] = {
     "resp_num_threads": mapped("extra_config.remote_max_connections", "Redis connections of resp://"),
     "save_only_first_rank": lacks(bool, False, "saving MLA's KV (equal on every rank) from rank 0 only"),
     "tag_keys": lacks(Strs, None, "cache keys scoped by request tags (LMCache's cache-by-tags)"),
-    "lookup_backoff_time": lacks(OptFloat, None, _P2P, P2P),
+    "lookup_backoff_time": noop("LMCache's pause between P2P lookups through its controller; lmcache-vllm bounds "
+                                "each directory lookup (extra_config.p2p_lookup_timeout_secs) and skips a failing "
+                                "peer for extra_config.p2p_peer_backoff_secs"),
     "enable_nixl_storage": lacks(bool, False, "LMCache's NIXL storage backend"),
     "audit_verify_checksum": noop("LMCache's audit connector (not supported)"),
     "enable_sparse": lacks(bool, False, _BLEND),

@@ -31,6 +31,13 @@ from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem,
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
 GiB = 1 << 30
 
+
+def _ports_problem(ports: list[int]) -> Optional[str]:
+    if not ports or any(not 0 < p < 65536 for p in ports):
+        return "expected a list of ports from 1 to 65535 (one per TP rank), or null"
+    return None
+
+
 @dataclass
 class LMCacheConfig:
     """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
@@ -77,6 +84,18 @@ class LMCacheConfig:
         False, "KV cache events (BlockStored / BlockRemoved per chunk; vLLM's medium CPU for L1, STORAGE for disk "
                "and Redis; our tier in ownership) through vLLM's KV event publisher (vLLM's --kv-events-config "
                "turns publishing on)")
+    enable_p2p: bool = setting(
+        False, "share chunks between instances peer to peer: each instance serves what its L1 holds (its disk "
+               "too with extra_config.p2p_serve_disk) from a transfer server per worker rank and lists it in a "
+               "directory on Redis (extra_config.p2p_directory_url, default remote_url); a miss in L1 and disk "
+               "is looked up there and pulled from the peer (docs/P2P.md)")
+    p2p_host: Optional[str] = setting(
+        None, "address each worker rank's P2P transfer server binds and advertises (\"0.0.0.0\": every interface, "
+              "this host's IP advertised); null: as extra_config.pd_host (VLLM_NIXL_SIDE_CHANNEL_HOST, default "
+              "localhost)")
+    p2p_init_ports: Optional[list[int]] = setting(
+        None, "port of each TP rank's P2P transfer server, one per rank (a single port: rank r takes port + r); "
+              "null: ports the OS picks", check=_ports_problem)
     extra_config: ExtraConfig = setting(
         meaning="lmcache-vllm's own settings (next table; config/extra.py); merged key by key across sources",
         default_factory=ExtraConfig)
@@ -87,8 +106,9 @@ class LMCacheConfig:
             # A mapping given in code is read like every other source's extra_config (LMCache's names, typos).
             self.extra_config = build_extra(self.extra_config, Origin("code"), problems)
         problems += _check_together(self)
-        if isinstance(self.remote_url, str):
-            remember_url_secrets(self.remote_url)  # from now on redacted from any text we show
+        for url in (self.remote_url, self.extra_config.p2p_directory_url):
+            if isinstance(url, str):
+                remember_url_secrets(url)  # from now on redacted from any text we show
         raise_if_any(problems)
 
     def __repr__(self) -> str:
@@ -119,6 +139,11 @@ class LMCacheConfig:
 
 
 
+def p2p_directory_url(cfg: LMCacheConfig) -> Optional[str]:
+    """Where the P2P directory lives: extra_config.p2p_directory_url, else remote_url (always a Redis form)."""
+    return cfg.extra_config.p2p_directory_url or cfg.remote_url
+
+
 def _check_together(cfg: LMCacheConfig) -> list[Problem]:
     problems: list[Problem] = []
     if cfg.local_cpu and cfg.max_local_cpu_bytes <= 0:
@@ -136,4 +161,17 @@ def _check_together(cfg: LMCacheConfig) -> list[Problem]:
         if message:
             problems.append(Problem("remote_url", cfg.remote_url, message))
     problems += tls_problems(cfg.remote_url, cfg.extra_config)
+    problems += _p2p_problems(cfg)
     return problems
+
+
+def _p2p_problems(cfg: LMCacheConfig) -> list[Problem]:
+    url = cfg.extra_config.p2p_directory_url
+    if url is not None:
+        message = remote_url_problem(url)
+        if message:
+            return [Problem("extra_config.p2p_directory_url", url, message)]
+    if cfg.enable_p2p and p2p_directory_url(cfg) is None:
+        return [Problem("enable_p2p", True, "needs a directory on Redis: set extra_config.p2p_directory_url (any "
+                                            "form remote_url accepts) or remote_url (docs/P2P.md)")]
+    return []

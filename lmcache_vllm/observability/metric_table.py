@@ -174,6 +174,28 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        ("reason",)),
     _c("pd_prefill_requests", "requests", "Requests a prefill instance answered with kv_transfer_params "
        "for a decode instance", scope="engine"),
+    # -- P2P sharing (docs/P2P.md): chunks pulled from other instances' L1, found in a directory on Redis
+    _c("p2p_pulled_chunks", "chunks", "Chunks pulled from another instance (peer: its host:port, the first 16 "
+       "seen; later ones: other) and verified", ("peer",)),
+    _c("p2p_pulled_bytes", "bytes", "Bytes of the chunks pulled from other instances", ("peer",)),
+    _h("p2p_pull_seconds", "Time of one pull from one peer's rank, first request to last frame", ("peer",)),
+    _c("p2p_pull_failures", "requests", "Pulls from a peer that did not bring every chunk asked for (reason: "
+       "timeout, unreachable, refused, missing, corrupt, no_memory); the rest was recomputed, and a peer that "
+       "timed out, was unreachable, refused or sent what did not verify is skipped for a while", ("reason",)),
+    _c("p2p_served_chunks", "chunks", "Chunks this instance's transfer servers sent to peers from L1"),
+    _c("p2p_served_bytes", "bytes", "Bytes of the chunks sent to peers"),
+    _c("p2p_refused_fetches", "requests", "Requests for chunks refused because the peer is not trusted (no chunk "
+       "MAC key, and neither loopback nor in extra_config.pd_peers)"),
+    _c("p2p_lookups", "requests", "Directory lookups (one per batch of keys missing in L1 and disk)"),
+    _h("p2p_lookup_seconds", "Time of one directory lookup"),
+    _c("p2p_lookup_failures", "requests", "Directory lookups answered as misses because the directory did not "
+       "answer within extra_config.p2p_lookup_timeout_secs (timeout) or failed (error)", ("reason",)),
+    _c("p2p_skipped_peers", "servers", "Peers a lookup left out: backoff (a recent pull failed), untrusted (no "
+       "chunk MAC key and not in extra_config.pd_peers, or no IP address), unsigned (with a chunk MAC key: a "
+       "directory entry not signed with it), tp_mismatch (the same model at another TP size)",
+       ("reason",)),
+    _c("p2p_directory_failures", "requests", "Writes of this instance's directory entries that failed (op: "
+       "advertise); retried, and every entry written again", ("op",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
@@ -192,5 +214,7 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "instance pulls them (or the hold expires)"),
     _g("pd_held_bytes", "bytes", "Bytes of L1 chunks held for decode instances"),
     _g("pd_server_connections", "connections", "Connections open to a prefill instance's transfer servers"),
+    _g("p2p_directory_entries", "chunks", "Chunks this instance lists in the P2P directory (its L1; what peers "
+       "can pull)"),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}

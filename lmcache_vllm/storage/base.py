@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
 from lmcache_vllm.memory import AllocFn, MemoryObj
@@ -18,15 +19,31 @@ from lmcache_vllm.memory import AllocFn, MemoryObj
 if TYPE_CHECKING:
     from lmcache_vllm.config import LMCacheConfig
     from lmcache_vllm.storage.codec import ChunkMac
+    from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.tier import Tier
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class InstanceIdentity:
+    """Which serving instance and tensor-parallel rank a storage manager belongs to (P2P names it in its
+    directory): `instance` is vLLM's engine id, the same on every rank of one instance."""
+
+    instance: str
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class StorageBackend(abc.ABC):
     """One storage tier. Defaults are no-ops so that a tier only implements what it supports."""
 
     name: Tier  # which kind of tier this is (metric labels, logs, lookup answers)
+    # False for a tier that only knows where chunks are (P2P's directory): a write-through there is not a copy
+    # others can read when this instance is gone (`StorageManager.wait_written` does not wait for it).
+    holds_payloads = True
+    # Whether a chunk read from this tier is promoted into L1 (P2P: only with extra_config.p2p_keep_pulled).
+    promotes = True
 
     @classmethod
     def from_config(cls, config: LMCacheConfig, *, key_filter: Optional[Callable[[str], bool]] = None,
@@ -40,6 +57,11 @@ class StorageBackend(abc.ABC):
     def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
         """Who besides this process can write the tier `config` configures (None: nobody): such a tier
         needs a chunk MAC, or anyone who can write it plants KV the model reads (`registry`)."""
+        return None
+
+    def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity, tiers: Sequence[StorageBackend]) -> None:
+        """The manager's L1, the instance it serves and its lower tiers, once known (a tier that serves what
+        this instance holds to others: P2P)."""
         return None
 
     @abc.abstractmethod

@@ -4,13 +4,15 @@ The index holds one reference on each object it stores and registers itself as t
 the allocator evicts least-recently-used entries when an allocation does not fit (only entries nobody
 else references or pins). A `get` returns the object with an extra reference for the caller and marks
 it used. All operations are synchronous and thread-safe (the engine's thread and the manager's loop
-thread both call them); async wrappers satisfy `StorageBackend`.
+thread both call them); async wrappers satisfy `StorageBackend`. `on_removed(listener)`: `listener(key)` is
+called (outside the index's lock, on whichever thread removed it) for every entry that leaves: evicted,
+removed or cleared (P2P withdraws it from its directory).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -30,6 +32,16 @@ class LocalCPUBackend(StorageBackend):
         self._lock = threading.Lock()
         self._index: dict[str, MemoryObj] = {}
         self._key_of: dict[int, str] = {}  # id(obj) -> key, for the eviction callback
+        self._removal_listeners: list[Callable[[str], None]] = []
+
+    def on_removed(self, listener: Callable[[str], None]) -> None:
+        """`listener(key)` for every entry that leaves L1 from now on (it must not raise or block)."""
+        self._removal_listeners.append(listener)
+
+    def _removed(self, key: str) -> None:
+        kv_events.removed(key, self.name)
+        for listener in self._removal_listeners:
+            listener(key)
 
     # ---- synchronous API (used directly by the manager) ------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, timeout: float = 0.0) -> MemoryObj:
@@ -79,7 +91,7 @@ class LocalCPUBackend(StorageBackend):
             self._key_of.pop(id(obj), None)
         obj.clear_evictor()
         obj.ref_down()
-        kv_events.removed(key, self.name)
+        self._removed(key)
         return True
 
     def clear_sync(self) -> None:
@@ -98,7 +110,7 @@ class LocalCPUBackend(StorageBackend):
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
         metrics.inc("evictions", tier=self.name)
-        kv_events.removed(key, self.name)
+        self._removed(key)
         obj.ref_down()
 
     # ---- StorageBackend ----------------------------------------------------------------------

@@ -223,6 +223,10 @@ class LocalDiskBackend(StorageBackend):
         found = self._index.contains(keys)
         return [hit or self._adopt(k) is not None for k, hit in zip(keys, found)]
 
+    def holds(self, key: str) -> bool:
+        """Whether `key` is indexed here now (no I/O; a file another process wrote is not looked for)."""
+        return self._index.contains([key])[0]
+
     def __len__(self) -> int:
         return len(self._index)
 

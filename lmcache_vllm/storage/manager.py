@@ -44,7 +44,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage.base import Handoff, StorageBackend
+from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
@@ -179,8 +179,15 @@ class StorageManager(LowerTierReads):
             return False
 
     async def _in_every_lower_tier(self, keys: list[str]) -> bool:
-        found = await asyncio.gather(*(tier.contains(keys) for tier in self.lower), return_exceptions=True)
+        tiers = [tier for tier in self.lower if tier.holds_payloads]
+        found = await asyncio.gather(*(tier.contains(keys) for tier in tiers), return_exceptions=True)
         return all(not isinstance(f, BaseException) and all(f) for f in found)
+
+    def attach_instance(self, identity: InstanceIdentity) -> None:
+        """Names the serving instance and TP rank this storage belongs to (the P2P tier advertises it and
+        starts serving L1 to other instances); before it, such a tier finds and serves nothing."""
+        for tier in self.lower:
+            tier.attach(self.l1, identity, self.lower)
 
     def pin_prefix(self, keys: Sequence[KeyLike]) -> list[MemoryObj]:
         """The L1 chunks of the longest prefix of `keys` in L1, each with a reference for the caller (which

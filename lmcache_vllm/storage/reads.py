@@ -77,8 +77,8 @@ class LowerTierReads:
                      tiers: Optional[Sequence[StorageBackend]] = None,
                      expected: Optional[Mapping[str, ChunkSpec]] = None) -> list[MemoryObj]:
         """Reads the longest prefix of `keys` that `tiers` (default: the lower tiers) hold into L1 memory;
-        promotes; refs for the caller. `where` (from `_locate`) saves asking the tiers again; `expected`: see
-        the module docstring."""
+        promotes (unless the tier says not to: P2P keeps a chunk where it was computed); refs for the caller.
+        `where` (from `_locate`) saves asking the tiers again; `expected`: see the module docstring."""
         tiers = list(self.lower if tiers is None else tiers)
         if where is None:
             where = await self._locate(keys, tiers)
@@ -120,7 +120,8 @@ class LowerTierReads:
             tier = located[i]
             metrics.inc("chunk_hits", tier=tier.name)
             metrics.inc("read_bytes", obj.nbytes, tier=tier.name)
-            self.l1.put_sync(keys[i], obj)
+            if tier.promotes:
+                self.l1.put_sync(keys[i], obj)
         for r, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
             asked = sum(1 for i in range(len(keys)) if (held_by := where[i]) is None or rank[id(held_by)] > r)
             metrics.inc("chunk_misses", asked, tier=tier.name)

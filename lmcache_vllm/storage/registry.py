@@ -30,6 +30,7 @@ from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
+from lmcache_vllm.storage.p2p import P2PTier
 from lmcache_vllm.storage.redis import RedisBackend
 from lmcache_vllm.storage.transfer.sockets import bind_address
 
@@ -39,8 +40,9 @@ GB = 1 << 30
 MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
 TRANSFER_PORT = "transfer port"  # a prefill instance's KV transfer server (storage/transfer/server.py)
 
-# The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled.
-LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, RedisBackend)
+# The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled (P2P's
+# write lists the chunk in its directory).
+LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, P2PTier, RedisBackend)
 
 
 def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:

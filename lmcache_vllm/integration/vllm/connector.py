@@ -83,7 +83,7 @@ _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
 _HIT_SOURCES: dict[str, CacheHitSource] = {
     Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
-    Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P}
+    Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P, Tier.P2P: CacheHitSource.P2P}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 
@@ -188,6 +188,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
             # Before any thread of ours starts: they run beside vLLM's compute cores, not on them.
             set_background_cpus(background_cpus_for(vllm_config, self.config.extra_config.background_cpus))
+            from lmcache_vllm.storage.base import InstanceIdentity  # the worker only: it loads the cache's memory
+
             config = self.config
             can_save = self.can_save
             if can_save and not plan.multi:  # this rank will serve a KV transfer port (pd/worker.py)
@@ -212,7 +214,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 lookup_address=layout.lookup_address(instance_id),
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
                 failure_agreement=TPFailureAgreement(layout.tp_size),
-                peer_factory=peer_transfer if pd_on else None)
+                peer_factory=peer_transfer if pd_on else None,
+                identity=InstanceIdentity(instance_id, layout.tp_rank, layout.tp_size))
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.chunk_size, block_size, world_size)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API se
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.engine.grouped import GroupedEngine
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
+    from lmcache_vllm.storage.base import InstanceIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +51,19 @@ class WorkerHalf:
     the KV cache tensors exist; `lookup_address` is where this rank serves lookups (None: no server);
     `failure_agreement(failed per load) -> failed on any rank per load` (identity without TP);
     `durable_saves`: a PD producer's saves wait until they are in every lower tier;
-    `peer_factory(engine)`: this rank's disaggregated-prefill part (None: kv_transfer_params are ignored).
+    `peer_factory(engine)`: this rank's disaggregated-prefill part (None: kv_transfer_params are ignored);
+    `identity`: this instance and rank, named to the storage once the engine exists (P2P serves and lists its L1
+    under it).
     """
 
     def __init__(self, config: LMCacheConfig, *,
                  engine_factory: Callable[[dict[str, torch.Tensor]], CacheEngine | GroupedEngine],
                  block_size: int, lookup_address: str | None, max_lookup_tokens: int = 1 << 20,
                  failure_agreement: FailureAgreement | None = None, durable_saves: bool = False,
-                 peer_factory: Callable[[CacheEngine], PeerTransfer] | None = None):
+                 peer_factory: Callable[[CacheEngine], PeerTransfer] | None = None,
+                 identity: InstanceIdentity | None = None):
         self.config = config
+        self.identity = identity
         self._engine_factory = engine_factory
         self.block_size = block_size
         self.lookup_address = lookup_address
@@ -85,6 +90,8 @@ class WorkerHalf:
         from lmcache_vllm.layouts.streams import SideStream  # not at import: vLLM's API server imports us
 
         engine = self.engine = self._engine_factory(kv_caches)
+        if self.identity is not None:
+            engine.storage.attach_instance(self.identity)
         config = self.config
         layerwise = config.use_layerwise
         if isinstance(engine, GroupedEngine):

@@ -54,7 +54,8 @@ class PeerSource:
     host: str
     port: int
     req_id: str
-    label: str = "other"
+    label: str = "other"  # the metrics' peer label: a bounded set (never what a client or directory named)
+    op: bytes = wire.PULL  # FETCH: P2P, chunks by key from the peer's L1 (no hold, nothing to release)
 
     def __post_init__(self) -> None:
         if ip_literal(self.host) is None:
@@ -159,14 +160,22 @@ class _Connection:
 
 
 class PeerTier(StorageBackend):
-    """See the module docstring. `timeout_s`: the longest silence between two messages of the pull."""
+    """See the module docstring. `timeout_s`: the longest silence between two messages of the pull.
+    `metric_prefix` names its metrics (`pd_pulled_chunks`, ...; P2P: `p2p`); `failure` is how the last pull
+    ended ("" when it brought every chunk; else the `pull_failures` reason)."""
 
     name = Tier.PEER
 
-    def __init__(self, source: PeerSource, *, timeout_s: float, mac: Optional[ChunkMac] = None):
+    def __init__(self, source: PeerSource, *, timeout_s: float, mac: Optional[ChunkMac] = None,
+                 metric_prefix: str = "pd"):
         self.source = source
         self.timeout_s = float(timeout_s)
         self.mac = mac
+        self.metric_prefix = metric_prefix
+        self.failure = ""
+
+    def _releases(self) -> bool:
+        return self.source.op == wire.PULL  # a FETCH holds nothing on the other side
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         return [True] * len(keys)  # what the peer lacks comes back as None from get_many
@@ -179,7 +188,8 @@ class PeerTier(StorageBackend):
 
     async def close(self) -> None:
         """Not pulled after all (everything was in this instance's L1): the prefill instance may let go."""
-        send_release(self.source, self.mac)
+        if self._releases():
+            send_release(self.source, self.mac)
 
     async def get_many(self, keys: Sequence[str], alloc: AllocFn) -> list[Optional[MemoryObj]]:
         out: list[Optional[MemoryObj]] = [None] * len(keys)
@@ -200,7 +210,7 @@ class PeerTier(StorageBackend):
             async with asyncio.timeout(self.timeout_s):
                 await conn.loop.sock_connect(sock, (self.source.host, self.source.port))
             connected = True
-            await conn.send(wire.encode_request(wire.PULL, self.source.req_id, keys, self.mac))
+            await conn.send(wire.encode_request(self.source.op, self.source.req_id, keys, self.mac))
             while True:
                 reply, payload_len = await conn.read_reply()
                 if reply.kind == wire.END:
@@ -223,8 +233,8 @@ class PeerTier(StorageBackend):
                     break
                 out[received] = obj
                 received += 1
-                metrics.inc("pd_pulled_chunks", peer=label)
-                metrics.inc("pd_pulled_bytes", obj.nbytes, peer=label)
+                metrics.inc(f"{self.metric_prefix}_pulled_chunks", peer=label)
+                metrics.inc(f"{self.metric_prefix}_pulled_bytes", obj.nbytes, peer=label)
         except TimeoutError:  # asyncio.TimeoutError is TimeoutError (3.11)
             reason = "timeout"
             logs.warn(logger, "pd_pull_timeout", "prefill instance %s silent for %.1fs while request %s pulled "
@@ -246,11 +256,12 @@ class PeerTier(StorageBackend):
             raise
         finally:
             sock.close()
-            if connected or cancelled:  # (cancelled before it connected too: the hold need not wait its lease)
+            if (connected or cancelled) and self._releases():  # (cancelled before it connected too)
                 send_release(self.source, self.mac)
-            metrics.observe("pd_pull_seconds", time.perf_counter() - t0, peer=label)
+            metrics.observe(f"{self.metric_prefix}_pull_seconds", time.perf_counter() - t0, peer=label)
+            self.failure = reason
             if reason:
-                metrics.inc("pd_pull_failures", reason=reason)
+                metrics.inc(f"{self.metric_prefix}_pull_failures", reason=reason)
         return out
 
     async def _receive_chunk(self, conn: _Connection, reply: wire.PeerReply, payload_len: int, index: int,

@@ -11,6 +11,8 @@ holds of `holds.PeerHolds`:
   expired one ERR at once, one refused for the cap on held bytes ERR full. A hold that has none of the
   asked keys is answered ERR keys, naming the fields of the keys that differ (never a held key).
 - RELEASE(request): ends the hold (no reply).
+- FETCH(keys) (P2P): `by_key(keys, peer host)` checks out what L1 holds of the keys' longest prefix
+  (`keyed.py`), sent like a PULL's chunks; without `by_key` (P2P off) or for a peer it refuses: ERR auth.
 With a MAC secret, a request without a valid MAC is answered ERR auth (a PULL) or ignored (a RELEASE), and
 its connection closed.
 
@@ -36,7 +38,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.observability import logs, metrics
@@ -77,14 +79,21 @@ class _Connection:
     reserved: int = 0  # bytes of `max_request_buffer` its request being read holds
     evicted: bool = False
 
+    @property
+    def host(self) -> str:
+        """The peer's address without its port ("?" when unknown: trusted by nobody)."""
+        return self.peer.rsplit(":", 1)[0]
+
 
 class TransferServer:
     """See the module docstring."""
 
     def __init__(self, holds: PeerHolds, *, host: str, port: int = 0, mac: ChunkMac | None = None,
                  unknown_grace_s: float = 2.0, io_timeout_s: float = 30.0, request_timeout_s: float = 10.0,
-                 max_connections: int = 64, max_request_buffer: int = 2 * wire.MAX_REQUEST_BYTES):
+                 max_connections: int = 64, max_request_buffer: int = 2 * wire.MAX_REQUEST_BYTES,
+                 by_key: Callable[[Iterable[str], str], Checkout] | None = None):
         self.holds = holds
+        self.by_key = by_key
         self.host = host
         self.mac = mac
         self.unknown_grace_s = float(unknown_grace_s)
@@ -224,7 +233,7 @@ class TransferServer:
         self._reserve(conn, 0)
         conn.reader = wire.RequestReader()
         if not wire.verify_request(request, self.mac):
-            self._refuse(conn, "auth", b"auth" if request.op == wire.PULL else None,
+            self._refuse(conn, "auth", b"auth" if request.op != wire.RELEASE else None,
                          "the request's MAC does not verify", request.req_id)
             return
         if request.op == wire.RELEASE:
@@ -311,7 +320,7 @@ class TransferServer:
         try:
             conn.sock.setblocking(True)
             conn.sock.settimeout(self.io_timeout_s)
-            keep = self._pull(conn, request)
+            keep = self._fetch(conn, request) if request.op == wire.FETCH else self._pull(conn, request)
         except Exception:  # a bug here must not leak the connection or kill the server
             logs.warn(logger, "pd_server_error", "KV transfer connection error", exc_info=True)
         with self._lock:
@@ -356,6 +365,15 @@ class TransferServer:
                 b"keys", f"held under {wire.key_mismatch(checkout.first_held_key, request.first_key)}"))
         return self._send(conn, request, checkout)
 
+    def _fetch(self, conn: _Connection, request: wire.PeerRequest) -> bool:
+        """Answers one FETCH (P2P) from `by_key`; False when the connection is no good any more."""
+        with self._lock:
+            conn.phase = _SENDING
+        checkout = self.by_key(request.iter_keys(), conn.host) if self.by_key is not None else None
+        if checkout is None or checkout.state != HoldState.READY:
+            return self._reply(conn, wire.error_reply(b"auth", "this instance serves no P2P chunks to this peer"))
+        return self._send(conn, request, checkout)
+
     def _send(self, conn: _Connection, request: wire.PeerRequest, checkout: Checkout) -> bool:
         objs: list[MemoryObj] = checkout.objs
         deadline = time.monotonic() + checkout.expires_in
@@ -369,8 +387,9 @@ class TransferServer:
             self.holds.sent(objs)  # every byte is in the kernel's buffers: the chunks may go
             objs = []
             send_message(conn.sock, wire.end_reply(sent), io_timeout_s=self.io_timeout_s)
-            metrics.inc("pd_served_chunks", len(checkout.objs))
-            metrics.inc("pd_served_bytes", sent_bytes)
+            if request.op == wire.PULL:  # a FETCH's chunks are P2P's, counted by its source (keyed.py)
+                metrics.inc("pd_served_chunks", len(checkout.objs))
+                metrics.inc("pd_served_bytes", sent_bytes)
             return True
         except LeaseOver:
             metrics.inc("pd_server_refusals", reason="lease")

@@ -12,6 +12,10 @@ Requests (D -> P), of exactly `REQUEST_PARTS` parts:
 
     [PROTOCOL, b"PULL",    request id (UTF-8), key scope (UTF-8), suffix width u8 + key suffixes, auth]
     [PROTOCOL, b"RELEASE", request id (UTF-8), b"",              b"",                            auth]
+    [PROTOCOL, b"FETCH",   puller id (UTF-8),  key scope (UTF-8), suffix width u8 + key suffixes, auth]
+
+A FETCH (P2P, `transfer/keyed.py`) is answered like a PULL from what the serving instance's L1 holds of the
+keys, with no hold to name or release.
 
 The keys of one PULL (one request's chunks) share their scope, everything up to and including a key's last
 "@" (model, fingerprint, TP/PP size and rank, dtype, format: `tokens.CacheKey`); only their suffixes (the
@@ -53,7 +57,7 @@ if TYPE_CHECKING:  # the API server imports this through pd/params.py: it must n
 PROTOCOL = b"LMVPD3"
 PROTOCOL_VERSION = 3  # the number in kv_transfer_params; bump with PROTOCOL (3: key scope + suffixes, a
 # length-prefixed request MAC; 2: TCP stream; 1: ZMQ)
-PULL, RELEASE = b"PULL", b"RELEASE"
+PULL, RELEASE, FETCH = b"PULL", b"RELEASE", b"FETCH"
 CHUNK, END, ERR = b"CHUNK", b"END", b"ERR"
 # Error codes of ERR replies.
 ERRORS = {
@@ -97,7 +101,7 @@ class PeerRequest:
     """A request as the server parsed it: the keys stay in their wire form (scope and suffixes), each made
     into a string only when it is reached (`iter_keys`)."""
 
-    op: bytes  # PULL or RELEASE
+    op: bytes  # PULL, RELEASE or FETCH
     req_id: str
     scope: str
     suffixes: bytes | bytearray  # checked: the width (1 byte), then `key_count` suffixes of that width
@@ -271,7 +275,7 @@ def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes, bytearray or 
         raise PeerProtocolError(f"not a request of {PROTOCOL!r} ({len(frames)} parts)")
     protocol, op, rid, scope, auth = (bytes(frames[i]) for i in (0, 1, 2, 3, 5))
     suffixes = frames[4] if isinstance(frames[4], (bytes, bytearray)) else bytes(frames[4])
-    if protocol != PROTOCOL or op not in (PULL, RELEASE):
+    if protocol != PROTOCOL or op not in (PULL, RELEASE, FETCH):
         raise PeerProtocolError(f"not a request of {PROTOCOL!r}")
     if not rid or len(rid) > MAX_REQ_ID or len(scope) > MAX_SCOPE or len(auth) > MAX_AUTH:
         raise PeerProtocolError(f"request id of {len(rid)} bytes, scope of {len(scope)} or MAC of {len(auth)}")
@@ -287,8 +291,8 @@ def parse_request(frames: Sequence[Any]) -> PeerRequest:  # bytes, bytearray or 
         if not 0 < width <= MAX_SUFFIX or count % width or not 0 < count // width <= MAX_KEYS \
                 or others not in (b"", suffixes[:1]):
             raise PeerProtocolError(f"key suffixes of width {width} in {count} bytes, or of other characters")
-    if op == PULL and not suffixes:
-        raise PeerProtocolError("a PULL without keys")
+    if op in (PULL, FETCH) and not suffixes:
+        raise PeerProtocolError(f"a {op.decode()} without keys")
     if op == RELEASE and (scope or suffixes):
         raise PeerProtocolError("a RELEASE with keys")
     return PeerRequest(op, req_id, scope_text, suffixes, auth)
@@ -386,7 +390,7 @@ def decode_chunk(reply: PeerReply, expected_index: int, expected_key: str,
     return codec.alloc_and_fill(header, reply.payload, alloc, mac)
 
 
-__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
+__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "FETCH", "CHUNK", "END", "ERR", "ERRORS", "MAX_KEYS",
            "MAX_SUFFIX", "MAX_SCOPE", "MAX_PARTS", "MAX_REQUEST_BYTES", "MAX_SMALL_PART", "REQUEST_PARTS",
            "REQUEST_BOUNDS", "REQUEST_PREFIX", "COUNT_BYTES", "frame", "frame_bytes", "part_count", "parse_lengths",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "RequestReader", "request_lengths",

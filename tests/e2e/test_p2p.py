@@ -1,0 +1,145 @@
+"""End to end P2P sharing: two `lmcache-vllm serve` instances with tensor_parallel_size=2 (kv_both, host memory
+only, no Redis payloads) share one redis-server as their P2P directory. Instance B serves a prompt only A has
+seen: each rank of B finds its chunks of A's rank in the directory and pulls them from that rank's transfer
+server; then A is SIGKILLed between two requests and B recomputes a prompt A had listed, within a bounded time.
+
+Like with like (lmcache_vllm/integration/vllm/testing/reference.py): the reference is vLLM alone at TP 2, the
+same scheduler settings, with its own prefix cache: a prompt's cold answer, and its repeat with 512 of 600
+tokens cached (what B loads from A: two whole 256-token chunks; vLLM's prefix cache serves 512 too). Every
+process runs its two ranks on one thread each (VLLM_CPU_OMP_THREADS_BIND="0|1" for A, B and the reference: A
+and B share the two cores, which slows them, not their numbers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import e2e_harness as h
+import pytest
+
+from lmcache_vllm.config.remote_url import parse_remote_url
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, scrape, serve
+from lmcache_vllm.storage.redis.client import ClientSettings, sync_client
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+SHARED = h.random_tokens(300, 600)  # A computes it, B loads 512 tokens of it from A
+KILLED = h.random_tokens(301, 600)  # A computes it, is killed, B recomputes it
+MAX_TOKENS = 8
+# A's transfer servers share the two cores with B's four busy threads and A's idle workers, which poll for work:
+# on a loaded 2-core machine a pull's first reply once took over 2 s (a counted miss, then recomputed).
+PULL_TIMEOUT_S = 10.0
+TP, BIND = 2, "0|1"  # one core per rank, the same in every process
+PREFIX = f"e2e-p2p-{uuid.uuid4().hex[:8]}:"
+
+
+def server_args(extra: dict) -> list[str]:
+    return ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--tensor-parallel-size", str(TP),
+            "--distributed-executor-backend", "mp", "--kv-transfer-config", json.dumps(h.connector(extra))]
+
+
+@pytest.fixture(scope="module")
+def directory(redis_server) -> str:
+    redis_server.ensure_running()
+    return redis_server.url
+
+
+def p2p_config(directory: str) -> dict:
+    return {"enable_p2p": True, "p2p_host": "127.0.0.1", "max_local_cpu_size": 0.25,
+            "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX,
+                             "p2p_pull_timeout_secs": PULL_TIMEOUT_S, "p2p_lease_secs": 30.0,
+                             # a loaded CI machine may answer slower than the default 0.5 s (a miss here)
+                             "p2p_lookup_timeout_secs": 2.0}}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    phases = [{"name": "shared", "prompts": [SHARED], "max_tokens": MAX_TOKENS},
+              {"name": "shared_again", "prompts": [SHARED], "max_tokens": MAX_TOKENS},
+              {"name": "killed", "prompts": [KILLED], "max_tokens": MAX_TOKENS}]
+    kwargs = h.llm_kwargs(tensor_parallel_size=TP, distributed_executor_backend="mp")
+    job = h.reference_job({"model": tiny_model, "llm_kwargs": kwargs, "phases": phases})
+    result = h.run_job(tmp_path_factory.mktemp("e2e_p2p_ref"), "reference", job, multiprocessing=True,
+                       threads_bind=BIND, timeout=900)
+    return {name: h.phase(result, name)[0] for name in ("shared", "shared_again", "killed")}
+
+
+def instance(model: str, tmp: Path, directory: str) -> Iterator[tuple[str, Path]]:
+    """`lmcache-vllm serve` with P2P on, TP 2: (base URL, log path)."""
+    env = h.vllm_env(tmp, multiprocessing=True, threads_bind=BIND)
+    with serve(model, server_args(p2p_config(directory)), tmp, env) as (base, log):
+        yield base, log
+
+
+@pytest.fixture(scope="module")
+def instance_a(tiny_model, tmp_path_factory, directory, reference):
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory)
+
+
+@pytest.fixture(scope="module")
+def instance_b(tiny_model, tmp_path_factory, directory, instance_a):
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory)
+
+
+def complete(base: str, model: str, prompt: list[int]) -> dict:
+    answer = post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    return {"tokens": answer["choices"][0]["token_ids"], "num_cached_tokens": cached_tokens(answer)}
+
+
+def listed(directory: str) -> int:
+    """Chunks the directory lists, over every server of this module's instances."""
+    client = sync_client(parse_remote_url(directory), ClientSettings())
+    try:
+        return sum(int(client.scard(k)) for k in client.scan_iter(match=f"{PREFIX}p2p:*:chunks"))
+    finally:
+        client.close()
+
+
+def wait_listed(directory: str, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while listed(directory) < n:
+        assert time.monotonic() < deadline, f"the directory lists {listed(directory)} chunks, expected {n}"
+        time.sleep(0.2)
+
+
+def metric(base: str, model: str, name: str, tier: str = "") -> float:
+    """A metric of `base` (summed over labels but tier), after a tiny request: our stats reach vLLM's API
+    server with engine steps."""
+    post(f"{base}/v1/completions", {"model": model, "prompt": h.random_tokens(5, 4), "max_tokens": 1})
+    return scrape(base).get((f"lmcache_vllm:{name}", tier), 0.0)
+
+
+def test_b_serves_a_prompt_only_a_has_seen(instance_a, instance_b, reference, tiny_model, directory):
+    cold = complete(instance_a[0], tiny_model, SHARED)
+    h.assert_like_with_like(cold, reference["shared"], what="A, cold")
+    assert cold["num_cached_tokens"] == 0
+    wait_listed(directory, 2 * TP)  # A's two whole chunks, on each rank
+    warm = complete(instance_b[0], tiny_model, SHARED)
+    assert warm["num_cached_tokens"] == 512, instance_b[1]
+    h.assert_like_with_like(warm, reference["shared_again"], what="B, from A's chunks")
+    assert metric(instance_b[0], tiny_model, "hit_tokens_total", "p2p") == 512
+    assert metric(instance_b[0], tiny_model, "p2p_pulled_chunks_total") == 2 * TP  # rank r from A's rank r
+
+
+def test_a_killed_between_requests_b_recomputes_in_bounded_time(instance_a, instance_b, reference, tiny_model,
+                                                                directory):
+    before = listed(directory)
+    first = complete(instance_a[0], tiny_model, KILLED)
+    h.assert_like_with_like(first, reference["killed"], what="A, cold")
+    wait_listed(directory, before + 2 * TP)
+    os.killpg(h.server_group(instance_a[1]), signal.SIGKILL)  # A's API server, engine and worker
+    t0 = time.monotonic()
+    answer = complete(instance_b[0], tiny_model, KILLED)
+    elapsed = time.monotonic() - t0
+    assert answer["num_cached_tokens"] == 0  # A's entries still listed (its lease runs), its port closed
+    h.assert_like_with_like(answer, reference["killed"], what="B, recomputed")
+    assert elapsed < 30, elapsed
+    assert metric(instance_b[0], tiny_model, "p2p_pull_failures_total") >= 1
