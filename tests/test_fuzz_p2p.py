@@ -78,9 +78,11 @@ def test_any_directory_content_is_a_miss_or_a_verified_hit(peers, infos, ids, li
 
 
 @examples(40)
-@given(keys=st.lists(st.text(min_size=1, max_size=300).filter(lambda k: "\n" not in k), min_size=1, max_size=8),
+@given(scope=st.one_of(st.just(b"m@-@tp1.0@pp1.0@bfloat16@v2@"), st.binary(max_size=300)),
+       suffixes=st.one_of(st.binary(max_size=300), st.lists(st.sampled_from([b"0" * 32, b"1" * 32, b"x"]),
+                                                               max_size=8).map(lambda s: b" " + b"".join(s))),
        auth=st.binary(max_size=40))
-def test_any_fetch_is_answered_and_the_server_keeps_serving(peers, keys, auth):
+def test_any_fetch_is_answered_and_the_server_keeps_serving(peers, scope, suffixes, auth):
     url, prefix, b, real_keys = peers
     server = next(s for s in h.servers(url, prefix) if s.startswith("real."))
     client = h.client(url)
@@ -88,8 +90,8 @@ def test_any_fetch_is_answered_and_the_server_keeps_serving(peers, keys, auth):
     client.close()
     assert info is not None
     with bounded_run(), socket.create_connection((info.host, info.port), timeout=5) as sock:
-        parts = wire.encode_request(wire.FETCH, "fuzz", keys)
-        parts[-1] = auth
+        # Any scope and suffix parts (protocol 3 keys: a shared scope, then fixed-width suffixes), any MAC.
+        parts = [wire.PROTOCOL, wire.FETCH, b"fuzz", scope, suffixes, auth]
         try:
             send_message(sock, parts)
             sock.shutdown(socket.SHUT_WR)  # no more requests: the server answers, then closes

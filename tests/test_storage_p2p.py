@@ -120,7 +120,7 @@ def test_kept_pulled_chunks_are_in_l1_and_announced_as_kv_events(url, redis_pref
         assert len(h.get_all(b, keys)) == 2
         assert b.contains(keys) == [keep, keep]
         stored = [e for e in kv_events.RECORDER.take() if e.stored]
-        assert [e.medium for e in stored] == (["cpu", "cpu"] if keep else [])  # in B's L1, as any promotion
+        assert [e.tier for e in stored] == ([Tier.LOCAL_CPU] * 2 if keep else [])  # in B's L1, as any promotion
         assert h.entries(url, redis_prefix, b) == 0  # a copy is never listed
 
 
@@ -165,3 +165,31 @@ def test_backoff_skips_a_failed_peer_for_a_while():
 
 def test_chunk_ids_are_8_bytes_of_the_key():
     assert len(chunk_id(h.key(1))) == 8 and chunk_id(h.key(1)) != chunk_id(h.key(2))
+
+
+def test_a_fetch_withdraws_only_the_key_it_found_missing():
+    """A peer names a key this instance never held, then keys it holds: only the first leaves the directory
+    (before: every key after it was withdrawn, so any peer could empty this instance's entries)."""
+    import torch
+
+    from lmcache_vllm.memory import HostAllocator
+    from lmcache_vllm.storage.transfer.holds import HoldState
+    from lmcache_vllm.storage.transfer.keyed import KeyedChunks
+
+    arena = HostAllocator(1 << 20)
+    held = {h.key(i): arena.allocate((2, 2, 16, 64), torch.bfloat16) for i in (1, 2)}
+
+    def get(key):
+        obj = held.get(key)
+        if obj is not None:
+            obj.ref_up()
+        return obj
+
+    withdrawn: list[str] = []
+    keyed = KeyedChunks(get, mac=None, trusted=lambda host: True, on_missing=withdrawn.extend)
+    checkout = keyed.checkout(iter([h.key(0), h.key(1), h.key(2)]), "127.0.0.1")
+    assert checkout.state == HoldState.READY and checkout.objs == [] and withdrawn == [h.key(0)]
+    checkout = keyed.checkout(iter([h.key(1), h.key(9), h.key(2)]), "127.0.0.1")
+    assert checkout.keys == (h.key(1),) and withdrawn == [h.key(0), h.key(9)]
+    for obj in checkout.objs:
+        obj.ref_down()

@@ -236,7 +236,9 @@ def test_mac_secrets(url, redis_prefix, secret_a, secret_b, pulled):
         h.store(a, keys)
         h.wait_until(lambda: h.entries(url, redis_prefix, a) == 2)
         assert len(h.get_all(b, keys)) == pulled
-        if not pulled:
+        if secret_b is not None and secret_b != secret_a:  # A's entry is not signed with B's key: not asked
+            assert metrics.value("p2p_skipped_peers", reason="unsigned") >= 1
+        elif not pulled:  # B without a key asks its loopback peer, which refuses an unsigned request
             assert metrics.value("p2p_pull_failures", reason="refused") + \
                    metrics.value("p2p_pull_failures", reason="corrupt") == 1
 
@@ -250,7 +252,12 @@ def test_without_a_mac_only_trusted_peers_are_asked(url, redis_prefix):
         assert time.monotonic() - t0 < 1  # never connected to
         assert metrics.value("p2p_skipped_peers", reason="untrusted") == 1
     with h.manager(url, redis_prefix, "C", chunk_mac_key="s", p2p_pull_timeout_secs=0.3) as c:
-        assert c.prefix_tiers(keys) == [Tier.P2P]  # with a MAC every peer is asked, its chunks verified
+        # With a MAC key only entries signed with it are asked (whoever writes the directory's Redis names the
+        # addresses): the planted, unsigned one is never connected to either.
+        t0 = time.monotonic()
+        assert c.prefix_tiers(keys) == []
+        assert time.monotonic() - t0 < 1
+        assert metrics.value("p2p_skipped_peers", reason="unsigned") == 1
 
 
 def test_the_server_refuses_untrusted_peers_without_a_mac(make_chunk):

@@ -47,7 +47,7 @@ class KeyedChunks:
 
     def checkout(self, keys: Iterable[str], peer_host: str) -> Checkout:
         """`keys` is consumed lazily: an untrusted peer's request never becomes strings, and the walk stops
-        at the first key L1 lacks."""
+        at the first key L1 lacks (reported to `on_missing`, alone)."""
         if self.mac is None and not self._trusted(peer_host):
             logs.warn(logger, "p2p_untrusted_fetch", "P2P: refused chunks to %s: not a trusted peer (loopback, "
                       "extra_config.pd_peers) and no chunk MAC key is set", logs.peer_text(peer_host))
@@ -55,11 +55,12 @@ class KeyedChunks:
             return Checkout(HoldState.UNKNOWN, [])
         objs: list[MemoryObj] = []
         found: list[str] = []
-        walk = iter(keys)
-        for key in walk:
+        for key in keys:
             obj = self._get(key)
             if obj is None:
-                self._on_missing([key, *walk])
+                # Only this key is known to be gone: a peer that names a key we never held before keys we hold
+                # must not make us withdraw those.
+                self._on_missing([key])
                 break
             objs.append(obj)
             found.append(key)
