@@ -168,6 +168,14 @@ STABLE = [
      'Holds ended because no decode instance released them within extra_config.pd_hold_secs'),
     ("pd_prefill_requests", "counter", (),
      'Requests a prefill instance answered with kv_transfer_params for a decode instance'),
+    ("request_hints", "counter", ('hint',),
+     'Requests whose kv_transfer_params carried a hint that was followed (hint: skip_save, pin)'),
+    ("refused_request_hints", "counter", ('reason',),
+     'Hints in kv_transfer_params that were ignored (reason: malformed, unknown, bad_skip_save, '
+     'bad_pin_tokens, pins_disabled)'),
+    ("pins_released", "counter", ('reason',),
+     'Pinned prefixes let go before a later pin (reason: budget, the oldest when '
+     'extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)'),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),
@@ -191,6 +199,10 @@ STABLE = [
      '(or the hold expires)'),
     ("pd_held_bytes", "gauge", (),
      'Bytes of L1 chunks held for decode instances'),
+    ("pinned_prefixes", "gauge", (),
+     "Prefixes pinned in L1 by requests' lmcache.pin_tokens"),
+    ("pinned_bytes", "gauge", (),
+     'Bytes of the L1 chunks those pins keep'),
 ]
 
 
