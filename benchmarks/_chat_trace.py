@@ -159,7 +159,7 @@ def round_trip_word_tokens(tokenizer) -> list[int]:
     return sorted(out)
 
 
-def _prefix_digests(tokens: list[int], unit: int) -> Iterable[bytes]:
+def prefix_digests(tokens: list[int], unit: int) -> Iterable[bytes]:
     """The digest of each whole-unit prefix of `tokens`, shortest first."""
     digest = hashlib.blake2b(digest_size=16)
     for start in range(0, len(tokens) - unit + 1, unit):
@@ -177,11 +177,11 @@ def unbounded_hits(exchanges: Iterable[Exchange], unit: int, with_answers: bool 
     for exchange in exchanges:
         prompt = exchange.prompt_ids
         matched = 0
-        for digest in _prefix_digests(prompt, unit):
+        for digest in prefix_digests(prompt, unit):
             if digest not in cached:
                 break
             matched += unit
         hits.append(min(matched, max(0, len(prompt) - 1)))
         stored = prompt + exchange.output_ids[:-1] if with_answers else prompt
-        cached.update(_prefix_digests(stored, unit))
+        cached.update(prefix_digests(stored, unit))
     return hits

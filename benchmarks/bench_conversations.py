@@ -45,7 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
-from _chat_trace import RecordingProxy, round_trip_word_tokens, unbounded_hits  # noqa: E402
+from _chat_trace import Exchange, RecordingProxy, round_trip_word_tokens, unbounded_hits  # noqa: E402
+from _l1_replay import compare as compare_l1_policies  # noqa: E402
 from bench_serving import lmcache_peer, lmcache_server, ours, server_args  # noqa: E402
 
 from lmcache_vllm.integration.vllm.testing.openai_server import post, scrape, serve  # noqa: E402
@@ -182,9 +183,10 @@ def counters(before: dict, after: dict) -> dict:
 
 def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workload, conversations: Path,
             script: Path, num_blocks: int, max_model_len: int, allowed: list[int] | None,
-            chunk_size: int = BLOCK_SIZE, python: str | None = None) -> dict:
+            chunk_size: int = BLOCK_SIZE, python: str | None = None) -> tuple[dict, list[Exchange]]:
     """One configuration: a server, the client through the recording proxy, its figures; `chunk_size` is the
-    granularity of the connector's hits (vLLM alone: its blocks)."""
+    granularity of the connector's hits (vLLM alone: its blocks). Returns its row and the recorded trace (also
+    written to NAME.trace.json in the work directory)."""
     env = vllm_env(tmp / name, multiprocessing=True)
     if python is not None:  # the peer: LMCache's connector must import in the server's interpreter
         env["PYTHONPATH"] = _common.REPO_ROOT
@@ -219,7 +221,8 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
           f"p99 {row['p99_ttft_ms']:.0f} ms; cached {int(row['cached_tokens'])} of {int(row['prompt_tokens'])} "
           f"prompt tokens (unbounded: {row['unbounded_tokens']})", flush=True)
-    return row
+    (tmp / f"{name}.trace.json").write_text(json.dumps([asdict(e) for e in exchanges]))
+    return row, exchanges
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
@@ -298,7 +301,11 @@ def main() -> None:
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:
                 chunk = our_chunk_size(kv_config) if kv_config is not None else BLOCK_SIZE
-                rows[name] = measure(name, tmp, kv_config=kv_config, chunk_size=chunk, **common)
+                rows[name], trace = measure(name, tmp, kv_config=kv_config, chunk_size=chunk, **common)
+                if kv_config is not None:  # our L1 under other eviction policies, replayed on this trace
+                    capacity = int(l1_gib * (1 << 30) // (chunk * per_token))
+                    for policy, (l1, disk) in compare_l1_policies(trace, chunk, capacity).items():
+                        rows[name][f"replay_{policy}_l1_chunks"], rows[name][f"replay_{policy}_disk_chunks"] = l1, disk
             except Exception as exc:  # one failed configuration must not lose the others' figures
                 failed[name] = repr(exc)[-2000:]
                 print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
@@ -308,8 +315,8 @@ def main() -> None:
             try:
                 proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gib, chunk, ("--l2-adapter", l2))
                 try:
-                    rows["lmcache"] = measure("lmcache", tmp, kv_config=lmcache_peer(port), chunk_size=chunk,
-                                              python=args.vs_lmcache, **common)
+                    rows["lmcache"], _ = measure("lmcache", tmp, kv_config=lmcache_peer(port), chunk_size=chunk,
+                                                 python=args.vs_lmcache, **common)
                 finally:
                     os.killpg(proc.pid, 15)
                     proc.wait(30)
@@ -328,6 +335,11 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
          int(r["ours_local_disk_tokens"]), int(r["ours_local_cpu_evictions"]), int(r["recomputed_tokens"]),
          r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0)
         for n, r in rows.items()], headers)
+    replays = [(n, p, r[f"replay_{p}_l1_chunks"], r[f"replay_{p}_disk_chunks"]) for n, r in rows.items()
+               for p in ("lru", "arc", "belady") if f"replay_{p}_l1_chunks" in r]
+    if replays:
+        _common.print_table("our L1 replayed under eviction policies (chunks a lookup found)", replays,
+                            ("config", "policy", "from L1", "from disk"))
     res = {"model": size, "cpu": _common.cpu_model(), **{f"workload.{k}": v for k, v in asdict(w).items()},
            **ratios(rows), **{f"{name}.failed": why for name, why in failed.items()}}
     for name, row in rows.items():

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _chat_trace import Exchange, RecordingProxy, unbounded_hits  # noqa: E402
+from _l1_replay import compare  # noqa: E402
 
 
 def _ex(prompt: list[int], output: list[int] = ()) -> Exchange:
@@ -30,6 +31,30 @@ def test_unbounded_hits_count_whole_units_of_earlier_prompts_and_answers():
     assert unbounded_hits([turn1, turn2], 3) == [0, 12]
     with pytest.raises(ValueError):
         unbounded_hits([turn1], 0)
+
+
+def _sessions(users: int, turns: int) -> list[Exchange]:
+    """`users` conversations served round robin, each turn adding one 4-token chunk of question and one of
+    answer (+1 token: an answer's last token has no KV) to the conversation's history."""
+    history = {u: [] for u in range(users)}
+    out, token = [], 10
+    for _ in range(turns):
+        for u in range(users):
+            prompt = history[u] + list(range(token, token + 4))
+            answer = list(range(token + 4, token + 9))
+            token += 9
+            out.append(_ex(prompt, answer))
+            history[u] = prompt + answer[:-1]
+    return out
+
+
+def test_l1_replay_lru_misses_round_robin_sessions_that_belady_keeps():
+    trace = _sessions(users=3, turns=4)  # every turn's history: 2 chunks per earlier turn
+    got = compare(trace, unit=4, capacity=4)
+    assert len({sum(v) for v in got.values()}) == 1  # the disk has everything: the same chunks are found
+    assert got["lru"][0] == 0  # the next session is always the least recently used: a loop beats LRU
+    assert got["belady"][0] > max(got["lru"][0], got["arc"][0])
+    assert compare(trace, unit=4, capacity=100)["lru"] == (sum(got["lru"]), 0)  # all fits: all from L1
 
 
 def _upstream():
