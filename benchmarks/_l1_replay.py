@@ -2,8 +2,9 @@
 L1 does), ARC (recency and frequency, adaptive, as LMCache's server and vLLM's OffloadingConnector offer) and
 Belady's optimum (the upper bound no policy passes), each holding `capacity` chunks.
 
-The replay models our tiers, not vLLM's own device cache: each request looks up its prompt's whole chunks from
-the first one while some tier has them (an L1 hit touches the chunk; a chunk only on disk is read and promoted
+The replay models our tiers behind vLLM's own cache, taken as an LRU of its size (the requests in flight are not
+modelled): each request looks up its prompt's whole chunks from the first one vLLM's cache lacks while some tier
+has them (an L1 hit touches the chunk; a chunk only on disk is read and promoted
 into L1), then stores the whole chunks of its prompt and answer (a chunk L1 holds already is left as it is, as
 `LocalCPUBackend.put_sync` does; a new one goes into L1 and to disk, which keeps everything). Counts, not times:
 valid on a busy machine.
@@ -123,12 +124,16 @@ class Belady:
             self.items.remove(max(self.items, key=lambda k: self._next_use(k, now)))
 
 
-def replay(requests: Sequence[Request], policy) -> tuple[int, int]:
-    """(chunks the lookups found in L1, chunks they read from disk) under `policy`."""
+def replay(requests: Sequence[Request], policy, device_chunks: int = 0) -> tuple[int, int]:
+    """(chunks the lookups found in L1, chunks they read from disk) under `policy`, behind vLLM's own cache
+    taken as an LRU of `device_chunks` chunks (every chunk of a request's prompt and answer passes through
+    it; a lookup asks our tiers only from its first miss on)."""
     on_disk: set[bytes] = set()
+    device = LRU(device_chunks)
     from_l1 = from_disk = 0
     for now, (walk, stores) in enumerate(requests):
-        for key in walk:
+        skip = next((i for i, key in enumerate(walk) if key not in device), len(walk))
+        for key in walk[skip:]:
             if key in policy:
                 from_l1 += 1
                 policy.hit(key, now)
@@ -141,11 +146,17 @@ def replay(requests: Sequence[Request], policy) -> tuple[int, int]:
             if key not in policy:
                 policy.insert(key, now)
             on_disk.add(key)
+            if key in device:
+                device.hit(key, now)
+            elif device_chunks:
+                device.insert(key, now)
     return from_l1, from_disk
 
 
-def compare(exchanges: Iterable[Exchange], unit: int, capacity: int) -> dict[str, tuple[int, int]]:
-    """{policy: (chunks from L1, chunks from disk)} of the trace with an L1 of `capacity` chunks."""
+def compare(exchanges: Iterable[Exchange], unit: int, capacity: int, device_chunks: int = 0
+            ) -> dict[str, tuple[int, int]]:
+    """{policy: (chunks from L1, chunks from disk)} of the trace with an L1 of `capacity` chunks behind a device
+    cache of `device_chunks`."""
     requests = requests_of(exchanges, unit)
-    return {"lru": replay(requests, LRU(capacity)), "arc": replay(requests, ARC(capacity)),
-            "belady": replay(requests, Belady(capacity, requests))}
+    return {name: replay(requests, policy, device_chunks) for name, policy in (
+        ("lru", LRU(capacity)), ("arc", ARC(capacity)), ("belady", Belady(capacity, requests)))}

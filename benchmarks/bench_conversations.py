@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
 from _chat_trace import Exchange, RecordingProxy, round_trip_word_tokens, unbounded_hits  # noqa: E402
 from _l1_replay import compare as compare_l1_policies  # noqa: E402
-from bench_serving import lmcache_peer, lmcache_server, ours, server_args  # noqa: E402
+from bench_serving import cache_tokens, lmcache_peer, lmcache_running, ours, server_args  # noqa: E402
 
 from lmcache_vllm.integration.vllm.testing.openai_server import post, scrape, serve  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import vllm_env  # noqa: E402
@@ -166,18 +166,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def counters(before: dict, after: dict) -> dict:
-    """Prompt tokens of the run by where their KV came from, and our tiers' evictions and stores."""
-    def delta(name: str, label: str = "") -> float:
-        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
-    out = {"prompt_tokens": delta("vllm:prompt_tokens_total"),
-           "vllm_cache_tokens": delta("vllm:prefix_cache_hits_total"),
-           "connector_tokens": delta("vllm:external_prefix_cache_hits_total")}
-    for tier in ("local_cpu", "local_disk"):
-        out[f"ours_{tier}_tokens"] = delta("lmcache_vllm:hit_tokens_total", tier)
-        out[f"ours_{tier}_evictions"] = delta("lmcache_vllm:evictions_total", tier)
-    for name in ("stored_tokens", "loaded_tokens", "failed_load_tokens", "store_skipped_tokens"):
-        out[f"ours_{name}"] = delta(f"lmcache_vllm:{name}_total")
-    out["recomputed_tokens"] = out["prompt_tokens"] - out["vllm_cache_tokens"] - out["connector_tokens"]
+    """Prompt tokens of the run by where their KV came from (bench_serving's), our L1's evictions and stores,
+    and the prompt tokens computed again."""
+    out = cache_tokens(before, after)
+    for key, (name, label) in {"ours_local_cpu_evictions": ("evictions_total", "local_cpu"),
+                               "ours_stored_tokens": ("stored_tokens_total", ""),
+                               "ours_store_skipped_tokens": ("store_skipped_tokens_total", ""),
+                               "ours_failed_load_tokens": ("failed_load_tokens_total", ""),
+                               "ours_save_wait_seconds": ("save_wait_seconds_total", "")}.items():
+        out[key] = after.get((f"lmcache_vllm:{name}", label), 0.0) - before.get((f"lmcache_vllm:{name}", label), 0.0)
+    out["recomputed_tokens"] = out["prompt_tokens"] - out["vllm_prefix_cache_tokens"] - out["connector_tokens"]
     return out
 
 
@@ -217,7 +215,7 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
                unbounded_tokens=sum(max(b, c) for b, c in zip(by_block, by_chunk)),
                unbounded_prompts_only_tokens=sum(unbounded_hits(exchanges, BLOCK_SIZE, with_answers=False)),
                trace_prompt_tokens=sum(len(e.prompt_ids) for e in exchanges))
-    row["cached_tokens"] = row["vllm_cache_tokens"] + row["connector_tokens"]
+    row["cached_tokens"] = row["vllm_prefix_cache_tokens"] + row["connector_tokens"]
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
           f"p99 {row['p99_ttft_ms']:.0f} ms; cached {int(row['cached_tokens'])} of {int(row['prompt_tokens'])} "
           f"prompt tokens (unbounded: {row['unbounded_tokens']})", flush=True)
@@ -313,13 +311,9 @@ def main() -> None:
             chunk = our_chunk_size(ours({}, args.chunk_size))  # LMCache's chunks as ours
             l2 = json.dumps({"type": "fs", "base_path": str(tmp / "lmcache_l2")})
             try:
-                proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gib, chunk, ("--l2-adapter", l2))
-                try:
+                with lmcache_running(args.vs_lmcache, tmp, l1_gib, chunk, ("--l2-adapter", l2)) as port:
                     rows["lmcache"], _ = measure("lmcache", tmp, kv_config=lmcache_peer(port), chunk_size=chunk,
                                                  python=args.vs_lmcache, **common)
-                finally:
-                    os.killpg(proc.pid, 15)
-                    proc.wait(30)
             except Exception as exc:
                 failed["lmcache"] = repr(exc)[-2000:]
                 print(f"   lmcache FAILED: {exc!r}"[:3000], flush=True)
@@ -331,7 +325,7 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
                "ours disk", "L1 evict", "recomputed", "unbounded", "cached/unb.")
     _common.print_table(f"conversations, {size} model, {w.users} users x {w.turns} turns, {w.clients} clients", [
         (n, r["request_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], int(r["prompt_tokens"]),
-         int(r["vllm_cache_tokens"]), int(r["connector_tokens"]), int(r["ours_local_cpu_tokens"]),
+         int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]), int(r["ours_local_cpu_tokens"]),
          int(r["ours_local_disk_tokens"]), int(r["ours_local_cpu_evictions"]), int(r["recomputed_tokens"]),
          r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0)
         for n, r in rows.items()], headers)

@@ -30,6 +30,7 @@ cores (Intel Xeon), `--vs-lmcache` included; `--quick` (tiny model, small worklo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -195,6 +196,17 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, 
     return proc, port
 
 
+@contextlib.contextmanager
+def lmcache_running(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
+    """`lmcache_server` for the time of a `with` block: yields its port, stops it afterwards."""
+    proc, port = lmcache_server(python, tmp, l1_gb, chunk_size, extra_args)
+    try:
+        yield port
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+
 def ratios(rows: dict) -> dict:
     def r(a: str, b: str, key: str, inverse: bool = False) -> float | None:
         if a not in rows or b not in rows or not rows[a].get(key) or not rows[b].get(key):
@@ -308,13 +320,9 @@ def main() -> None:
                     print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
             if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
                 try:
-                    proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
-                    try:
+                    with lmcache_running(args.vs_lmcache, tmp, l1_gb) as port:
                         rows.update(measure("reuse_lmcache", tmp, model, lmcache_peer(port), loads["reuse"],
                                             max_model_len, python=args.vs_lmcache))
-                    finally:
-                        os.killpg(proc.pid, 15)
-                        proc.wait(30)
                 except Exception as exc:
                     failed["reuse_lmcache"] = repr(exc)[-2000:]
                     print(f"   reuse_lmcache FAILED: {exc!r}"[:3000], flush=True)
