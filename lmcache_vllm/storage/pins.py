@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import metrics
+
+if TYPE_CHECKING:  # vLLM's API server imports the connector (and this) without the cache's memory
+    from lmcache_vllm.memory import MemoryObj
 
 
 class PinnedPrefixes:
