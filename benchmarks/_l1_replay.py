@@ -1,13 +1,14 @@
 """Which L1 eviction policy a recorded conversation trace favours: its chunk accesses replayed through LRU (what
-L1 does), ARC (recency and frequency, adaptive, as LMCache's server and vLLM's OffloadingConnector offer) and
-Belady's optimum (the upper bound no policy passes), each holding `capacity` chunks.
+L1 does by default), LIP (`cache_policy: LIP`), ARC (recency and frequency, adaptive, as LMCache's server and
+vLLM's OffloadingConnector offer) and Belady's optimum (the upper bound no policy passes), each holding
+`capacity` chunks.
 
 The replay models our tiers behind vLLM's own cache, taken as an LRU of its size (the requests in flight are not
 modelled): each request looks up its prompt's whole chunks from the first one vLLM's cache lacks while some tier
-has them (an L1 hit touches the chunk; a chunk only on disk is read and promoted
-into L1), then stores the whole chunks of its prompt and answer (a chunk L1 holds already is left as it is, as
-`LocalCPUBackend.put_sync` does; a new one goes into L1 and to disk, which keeps everything). Counts, not times:
-valid on a busy machine.
+has them (an L1 hit touches the chunk; a chunk only on disk is read and promoted into L1, then touched by the
+load that takes it), then stores the whole chunks of its prompt and answer (a chunk L1 holds already is left as
+it is, as `LocalCPUBackend.put_sync` does; a new one goes into L1 and to disk, which keeps everything). Counts,
+not times: valid on a busy machine.
 """
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ class LRU:
         self.items[key] = None
         while len(self.items) > self.capacity:
             self.items.popitem(last=False)
+
+
+class LIP(LRU):
+    """LRU insertion (`cache_policy: LIP`): a new chunk enters at the least recently used end, a use moves it."""
+
+    def insert(self, key: bytes, now: int) -> None:
+        while len(self.items) >= self.capacity:
+            self.items.popitem(last=False)
+        self.items[key] = None
+        self.items.move_to_end(key, last=False)
 
 
 class ARC:
@@ -139,7 +150,8 @@ def replay(requests: Sequence[Request], policy, device_chunks: int = 0) -> tuple
                 policy.hit(key, now)
             elif key in on_disk:
                 from_disk += 1
-                policy.insert(key, now)  # read and promoted
+                policy.insert(key, now)  # read and promoted,
+                policy.hit(key, now)  # then taken by the load
             else:
                 break
         for key in stores:
@@ -159,4 +171,5 @@ def compare(exchanges: Iterable[Exchange], unit: int, capacity: int, device_chun
     cache of `device_chunks`."""
     requests = requests_of(exchanges, unit)
     return {name: replay(requests, policy, device_chunks) for name, policy in (
-        ("lru", LRU(capacity)), ("arc", ARC(capacity)), ("belady", Belady(capacity, requests)))}
+        ("lru", LRU(capacity)), ("lip", LIP(capacity)), ("arc", ARC(capacity)),
+        ("belady", Belady(capacity, requests)))}

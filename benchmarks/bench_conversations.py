@@ -305,7 +305,8 @@ def main() -> None:
                 rows[name], trace = measure(name, tmp, kv_config=kv_config, chunk_size=chunk, **common)
                 if kv_config is not None:  # our L1 under other eviction policies, replayed on this trace
                     capacity = int(l1_gib * (1 << 30) // (chunk * per_token))
-                    for policy, (l1, disk) in compare_l1_policies(trace, chunk, capacity).items():
+                    device = num_blocks * BLOCK_SIZE // chunk  # vLLM's own cache in front of L1
+                    for policy, (l1, disk) in compare_l1_policies(trace, chunk, capacity, device).items():
                         rows[name][f"replay_{policy}_l1_chunks"], rows[name][f"replay_{policy}_disk_chunks"] = l1, disk
             except Exception as exc:  # one failed configuration must not lose the others' figures
                 failed[name] = repr(exc)[-2000:]
@@ -333,7 +334,7 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
          r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0)
         for n, r in rows.items()], headers)
     replays = [(n, p, r[f"replay_{p}_l1_chunks"], r[f"replay_{p}_disk_chunks"]) for n, r in rows.items()
-               for p in ("lru", "arc", "belady") if f"replay_{p}_l1_chunks" in r]
+               for p in ("lru", "lip", "arc", "belady") if f"replay_{p}_l1_chunks" in r]
     if replays:
         _common.print_table("our L1 replayed under eviction policies (chunks a lookup found)", replays,
                             ("config", "policy", "from L1", "from disk"))
