@@ -174,8 +174,14 @@ def counters(before: dict, after: dict) -> dict:
                                "ours_stored_tokens": ("stored_tokens_total", ""),
                                "ours_store_skipped_tokens": ("store_skipped_tokens_total", ""),
                                "ours_failed_load_tokens": ("failed_load_tokens_total", ""),
-                               "ours_save_wait_seconds": ("save_wait_seconds_total", "")}.items():
-        out[key] = after.get((f"lmcache_vllm:{name}", label), 0.0) - before.get((f"lmcache_vllm:{name}", label), 0.0)
+                               "ours_save_wait_seconds": ("save_wait_seconds_total", ""),
+                               "ours_lookup_seconds": ("lookup_seconds_sum", ""),
+                               "ours_lookups": ("lookup_seconds_count", ""),
+                               "ours_load_requests": ("load_requests_total", ""),
+                               "ours_async_load_requests": ("async_load_requests_total", ""),
+                               "preemptions": ("vllm:num_preemptions_total", "")}.items():
+        name = name if name.startswith("vllm:") else f"lmcache_vllm:{name}"
+        out[key] = after.get((name, label), 0.0) - before.get((name, label), 0.0)
     out["recomputed_tokens"] = out["prompt_tokens"] - out["vllm_prefix_cache_tokens"] - out["connector_tokens"]
     return out
 
