@@ -64,6 +64,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
 
 @dataclass(frozen=True)
 class Workload:
+    """The conversations (sizes in the tiny/medium model's tokens) and how the client sends them."""
+
     users: int
     turns: int  # user turns per conversation
     system_tokens: int  # shared by every conversation
