@@ -26,9 +26,11 @@ Between the client and each server sits a recording proxy (`_chat_trace.py`): it
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
 of ours that an earlier request's prompt + answer covered) is counted for the requests actually sent; it also
 restricts the random-weight model's answers to tokens that survive retokenisation, as a trained model's
-mostly do (`--free-answers`: not). Per configuration: requests/s, TTFT p50/p99 (the client's), prompt
-tokens, tokens from vLLM's prefix cache and from the connector (vLLM's counters), ours by tier, evictions,
-recomputed prompt tokens, and ratios to vLLM alone, to LMCache and to the unbounded cache.
+mostly do (`--free-answers`: not). Per configuration: requests/s, TTFT p50/p99 (the client's), the CPU seconds
+the server's processes used for the run (LMCache's server included: on a busy machine the one figure of cost
+that other processes barely stretch), prompt tokens, tokens from vLLM's prefix cache and from the connector
+(vLLM's counters), ours by tier (our counters), evictions, recomputed prompt tokens, and ratios to vLLM alone,
+to LMCache and to the unbounded cache.
 """
 from __future__ import annotations
 
@@ -190,9 +192,11 @@ def counters(before: dict, after: dict) -> dict:
 
 def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workload, conversations: Path,
             script: Path, num_blocks: int, max_model_len: int, allowed: list[int] | None,
-            chunk_size: int = BLOCK_SIZE, python: str | None = None) -> tuple[dict, list[Exchange]]:
+            chunk_size: int = BLOCK_SIZE, python: str | None = None, other_groups: tuple[int, ...] = ()
+            ) -> tuple[dict, list[Exchange]]:
     """One configuration: a server, the client through the recording proxy, its figures; `chunk_size` is the
-    granularity of the connector's hits (vLLM alone: its blocks). Returns its row and the recorded trace (also
+    granularity of the connector's hits (vLLM alone: its blocks); `other_groups`: process groups whose CPU
+    time counts with the server's (LMCache's server). Returns its row and the recorded trace (also
     written to NAME.trace.json in the work directory)."""
     env = vllm_env(tmp / name, multiprocessing=True)
     if python is not None:  # the peer: LMCache's connector must import in the server's interpreter
@@ -204,11 +208,13 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
         post(f"{base}/v1/completions", {"model": model, "prompt": "warm-up", "max_tokens": 2}, timeout=600)
         proxy = RecordingProxy(base, allowed)
         url = proxy.start()
+        groups = (_common.server_process_group(log.read_text()), *other_groups)
         try:
-            before = scrape(base)
+            before, cpu_before = scrape(base), sum(map(_common.process_group_cpu_seconds, groups))
             stats = run_client(script, url, model, conversations, w, tmp, name)
+            cpu = sum(map(_common.process_group_cpu_seconds, groups)) - cpu_before
             time.sleep(2)  # vLLM's counters reach /metrics a step after the work
-            row = {"name": name, **counters(before, scrape(base))}
+            row = {"name": name, "server_cpu_s": cpu, **counters(before, scrape(base))}
         finally:
             exchanges = proxy.take()
             proxy.stop()
@@ -225,9 +231,11 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
                unbounded_prompts_only_tokens=sum(unbounded_hits(exchanges, BLOCK_SIZE, with_answers=False)),
                trace_prompt_tokens=sum(len(e.prompt_ids) for e in exchanges))
     row["cached_tokens"] = row["vllm_prefix_cache_tokens"] + row["connector_tokens"]
+    row["ours_hit_tokens"] = row["ours_local_cpu_tokens"] + row["ours_local_disk_tokens"]  # our /metrics
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
           f"p99 {row['p99_ttft_ms']:.0f} ms; cached {int(row['cached_tokens'])} of {int(row['prompt_tokens'])} "
-          f"prompt tokens (unbounded: {row['unbounded_tokens']})", flush=True)
+          f"prompt tokens (unbounded: {row['unbounded_tokens']}; in whole blocks {row['unbounded_block_tokens']}, "
+          f"whole {chunk_size}-token chunks {row['unbounded_chunk_tokens']})", flush=True)
     (tmp / f"{name}.trace.json").write_text(json.dumps([asdict(e) for e in exchanges]))
     return row, exchanges
 
@@ -237,11 +245,16 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     for name, row in rows.items():
         if row.get("unbounded_tokens"):
             out[f"{name}.cached_vs_unbounded_ratio"] = row["cached_tokens"] / row["unbounded_tokens"]
+            if row["ours_hit_tokens"]:  # the same from our counters: vLLM's own hits + what our tiers served
+                out[f"{name}.ours_counted_vs_unbounded_ratio"] = (
+                    (row["vllm_prefix_cache_tokens"] + row["ours_hit_tokens"]) / row["unbounded_tokens"])
         for base in ("vllm", "lmcache"):
             other = rows.get(base)
             if other is None or base == name:
                 continue
             out[f"{name}.throughput_vs_{base}_ratio"] = row["request_throughput"] / other["request_throughput"]
+            # CPU seconds the servers used for the same requests: robust to a busy machine, unlike times
+            out[f"{name}.server_cpu_{base}_over_ours_ratio"] = other["server_cpu_s"] / row["server_cpu_s"]
             out[f"{name}.ttft_p50_{base}_over_ours_ratio"] = other["p50_ttft_ms"] / row["p50_ttft_ms"]
             out[f"{name}.ttft_p99_{base}_over_ours_ratio"] = other["p99_ttft_ms"] / row["p99_ttft_ms"]
             if other["cached_tokens"]:
@@ -323,9 +336,9 @@ def main() -> None:
             chunk = our_chunk_size(ours({}, args.chunk_size))  # LMCache's chunks as ours
             l2 = json.dumps({"type": "fs", "base_path": str(tmp / "lmcache_l2")})
             try:
-                with lmcache_running(args.vs_lmcache, tmp, l1_gib, chunk, ("--l2-adapter", l2)) as port:
+                with lmcache_running(args.vs_lmcache, tmp, l1_gib, chunk, ("--l2-adapter", l2)) as (port, group):
                     rows["lmcache"], _ = measure("lmcache", tmp, kv_config=lmcache_peer(port), chunk_size=chunk,
-                                                 python=args.vs_lmcache, **common)
+                                                 python=args.vs_lmcache, other_groups=(group,), **common)
             except Exception as exc:
                 failed["lmcache"] = repr(exc)[-2000:]
                 print(f"   lmcache FAILED: {exc!r}"[:3000], flush=True)
@@ -333,10 +346,10 @@ def main() -> None:
 
 
 def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload, json_path: str) -> None:
-    headers = ("config", "req/s", "TTFT p50", "p99", "prompt tok", "vLLM cache", "connector", "ours L1",
+    headers = ("config", "req/s", "TTFT p50", "p99", "server CPU s", "prompt tok", "vLLM cache", "connector", "ours L1",
                "ours disk", "L1 evict", "recomputed", "unbounded", "cached/unb.")
     _common.print_table(f"conversations, {size} model, {w.users} users x {w.turns} turns, {w.clients} clients", [
-        (n, r["request_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], int(r["prompt_tokens"]),
+        (n, r["request_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["server_cpu_s"], int(r["prompt_tokens"]),
          int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]), int(r["ours_local_cpu_tokens"]),
          int(r["ours_local_disk_tokens"]), int(r["ours_local_cpu_evictions"]), int(r["recomputed_tokens"]),
          r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0)

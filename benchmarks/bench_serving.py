@@ -198,10 +198,10 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, 
 
 @contextlib.contextmanager
 def lmcache_running(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
-    """`lmcache_server` for the time of a `with` block: yields its port, stops it afterwards."""
+    """`lmcache_server` for the time of a `with` block: yields (its port, its process group), stops it afterwards."""
     proc, port = lmcache_server(python, tmp, l1_gb, chunk_size, extra_args)
     try:
-        yield port
+        yield port, proc.pid  # its own session: the group is its pid
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
@@ -320,7 +320,7 @@ def main() -> None:
                     print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
             if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
                 try:
-                    with lmcache_running(args.vs_lmcache, tmp, l1_gb) as port:
+                    with lmcache_running(args.vs_lmcache, tmp, l1_gb) as (port, _):
                         rows.update(measure("reuse_lmcache", tmp, model, lmcache_peer(port), loads["reuse"],
                                             max_model_len, python=args.vs_lmcache))
                 except Exception as exc:
