@@ -103,6 +103,8 @@ def test_a_prefix_larger_than_the_budget_is_not_pinned_and_renewing_keeps_one_pi
     assert pins.add("ab", _held(l1, "a", "b"))
     assert pins.add("ab", _held(l1, "a", "b"))  # renewed, not doubled
     assert len(pins) == 1 and [o.ref_count for o in objs[:2]] == [2, 2]
+    assert not pins.add("gone", [])  # nothing of a prefix in L1: no pin, the others stay
+    assert len(pins) == 1
     pins.clear()
     assert pins.pinned_bytes == 0 and [o.ref_count for o in objs] == [1, 1, 1]
     snapshot = metrics.snapshot()

@@ -39,29 +39,31 @@ class PinnedPrefixes:
         return len(self._pins)
 
     def add(self, name: str, objs: Sequence[MemoryObj]) -> bool:
-        """Takes over one reference on each of `objs` (the caller's) as the pin `name`; False when the prefix
-        does not fit the budget at all (the references are dropped)."""
+        """Takes over one reference on each of `objs` (the caller's) as the pin `name`; False when there is
+        nothing to pin or the prefix does not fit the budget at all (the references are dropped)."""
         size = sum(obj.reserved for obj in objs)
-        released: list[MemoryObj] = list(objs) if not objs or size > self.budget_bytes else []
-        if not released:
-            with self._lock:
-                old = self._pins.pop(name, None)
-                if old is not None:  # renewed: the newest now, with the references just taken
-                    self._bytes -= sum(obj.reserved for obj in old)
-                    released += old
-                while self._pins and self._bytes + size > self.budget_bytes:
-                    _, oldest = self._pins.popitem(last=False)
-                    self._bytes -= sum(obj.reserved for obj in oldest)
-                    released += oldest
-                    metrics.inc("pins_released", reason="budget")
-                self._pins[name] = list(objs)
-                self._bytes += size
+        if not objs or size > self.budget_bytes:
+            for obj in objs:
+                obj.ref_down()
+            if objs:
+                metrics.inc("pins_released", reason="too_large")
+            return False
+        released: list[MemoryObj] = []
+        with self._lock:
+            old = self._pins.pop(name, None)
+            if old is not None:  # renewed: the newest now, with the references just taken
+                self._bytes -= sum(obj.reserved for obj in old)
+                released += old
+            while self._pins and self._bytes + size > self.budget_bytes:
+                _, oldest = self._pins.popitem(last=False)
+                self._bytes -= sum(obj.reserved for obj in oldest)
+                released += oldest
+                metrics.inc("pins_released", reason="budget")
+            self._pins[name] = list(objs)
+            self._bytes += size
         for obj in released:
             obj.ref_down()
-        if objs and size > self.budget_bytes:
-            metrics.inc("pins_released", reason="too_large")
-            return False
-        return bool(objs)
+        return True
 
     def clear(self) -> None:
         """Lets every pin go (a cache reset, shutdown)."""

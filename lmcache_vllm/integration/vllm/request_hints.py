@@ -148,11 +148,8 @@ class WorkerPins:
     def _fill(self, spec: PinSpec) -> None:
         try:
             keys, objs = self.engine.hold_prefix(spec.token_ids, spec.extra)
-            if keys:
-                self.pins.add(keys[-1], objs)  # the prefix's last key names it: the same prefix again renews it
-            else:
-                for obj in objs:
-                    obj.ref_down()
+            # The prefix's last key names it (the same prefix again renews it); what L1 lacks is not pinned.
+            self.pins.add(keys[-1] if keys else "", objs)
         except Exception:  # never a dead save thread: the prefix is just not pinned
             logs.warn(logger, "pin_failed", "request %s: pinning its prefix failed", spec.req_id, exc_info=True)
 
