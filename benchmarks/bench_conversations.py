@@ -183,7 +183,10 @@ def counters(before: dict, after: dict) -> dict:
                                "ours_lookups": ("lookup_seconds_count", ""),
                                "ours_load_requests": ("load_requests_total", ""),
                                "ours_async_load_requests": ("async_load_requests_total", ""),
-                               "preemptions": ("vllm:num_preemptions_total", "")}.items():
+                               "preemptions": ("vllm:num_preemptions_total", ""),
+                               # time requests waited to be scheduled (blocks held by others' saves show here)
+                               "queue_seconds": ("vllm:request_queue_time_seconds_sum", ""),
+                               "prefill_seconds": ("vllm:request_prefill_time_seconds_sum", "")}.items():
         name = name if name.startswith("vllm:") else f"lmcache_vllm:{name}"
         out[key] = after.get((name, label), 0.0) - before.get((name, label), 0.0)
     out["recomputed_tokens"] = out["prompt_tokens"] - out["vllm_prefix_cache_tokens"] - out["connector_tokens"]
