@@ -153,5 +153,9 @@ class WorkerPins:
         except Exception:  # never a dead save thread: the prefix is just not pinned
             logs.warn(logger, "pin_failed", "request %s: pinning its prefix failed", spec.req_id, exc_info=True)
 
+    def clear(self) -> None:
+        """Lets every pin go (a cache reset empties L1)."""
+        self.pins.clear()
+
     def close(self) -> None:
         self.pins.close()

@@ -131,7 +131,7 @@ class WorkerHalf:
         then L1 (and with `lower_tiers` L2/L3) is emptied. 1 when done."""
         self.drain_saves()
         if self.pins is not None:
-            self.pins.pins.clear()  # a reset empties L1: pinned prefixes too
+            self.pins.clear()  # a reset empties L1: pinned prefixes too
         if self.engine is None:
             return 1
         ok = self.engine.clear(lower_tiers=lower_tiers)
