@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -242,6 +243,32 @@ def pulls_against_raw(mgr, keys: list[str], prefetch: Callable[[int], object], r
             ours.append(ours_s)
             raw.append(raw_s)
     return ours, raw
+
+
+def process_group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds the live processes of process group `pgid` have used (a server's work: unlike
+    its wall time, barely stretched by other processes on a shared machine; an idle vLLM server uses ~1 %)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def server_process_group(log_text: str) -> int:
+    """The process group of a vLLM OpenAI server (API server, engine core, workers) from its log."""
+    match = re.search(r"Started server process \[(\d+)\]", log_text)
+    if match is None:
+        raise RuntimeError("no 'Started server process' line in the server's log")
+    return os.getpgid(int(match.group(1)))
 
 
 def cpu_model() -> str:

@@ -30,6 +30,7 @@ cores (Intel Xeon), `--vs-lmcache` included; `--quick` (tiny model, small worklo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -70,10 +71,11 @@ def workloads(quick: bool) -> dict[str, list[str]]:
             "slow": shared_prefixes(20, 3000, 64, 32, 60)}
 
 
-def ours(extra: dict, chunk_size: int) -> dict:
-    """Our connector with `extra`; our background threads on the cores vLLM's compute (bound to core 0 here)
-    leaves free, as a user who binds vLLM explicitly sets it (`extra_config.background_cpus`)."""
-    config = {"chunk_size": chunk_size, **extra}
+def ours(extra: dict, chunk_size: int | None) -> dict:
+    """Our connector with `extra` (and `chunk_size`; None: our default); our background threads on the cores
+    vLLM's compute (bound to core 0 here) leaves free, as a user who binds vLLM explicitly sets it
+    (`extra_config.background_cpus`)."""
+    config = {**({"chunk_size": chunk_size} if chunk_size is not None else {}), **extra}
     free = sorted(os.sched_getaffinity(0) - {0})
     if free:
         config["extra_config"] = {"background_cpus": ",".join(map(str, free)), **config.get("extra_config", {})}
@@ -175,22 +177,34 @@ def freezer(url: str, freeze_s: float, every_s: float):
     return run
 
 
-def lmcache_server(python: str, tmp: Path, l1_gb: float):
-    """`lmcache server` (LMCache 0.5.6's server mode) on a free port: (process, port)."""
+def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
+    """`lmcache server` (LMCache 0.5.6's server mode) on a free port, with `extra_args` (e.g. an L2 adapter):
+    (process, port)."""
     from lmcache_vllm.integration.vllm.testing.openai_server import free_port
 
     port = free_port()
     log = open(tmp / "lmcache_server.log", "w")
     proc = subprocess.Popen([str(Path(python).with_name("lmcache")), "server", "--host", "127.0.0.1",
                              "--port", str(port), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
-                             "--chunk-size", "256",
-                             "--supported-transfer-mode", "auto"],
+                             "--chunk-size", str(chunk_size),
+                             "--supported-transfer-mode", "auto", *extra_args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(vllm_env(tmp / "lmcache_server"), PYTHONHASHSEED="0"))
     time.sleep(15)  # it has no health endpoint; the vLLM server start that follows takes longer anyway
     if proc.poll() is not None:
         raise RuntimeError(f"lmcache server exited: {(tmp / 'lmcache_server.log').read_text()[-3000:]}")
     return proc, port
+
+
+@contextlib.contextmanager
+def lmcache_running(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
+    """`lmcache_server` for the time of a `with` block: yields (its port, its process group), stops it afterwards."""
+    proc, port = lmcache_server(python, tmp, l1_gb, chunk_size, extra_args)
+    try:
+        yield port, proc.pid  # its own session: the group is its pid
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
 
 
 def ratios(rows: dict) -> dict:
@@ -306,13 +320,9 @@ def main() -> None:
                     print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
             if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
                 try:
-                    proc, port = lmcache_server(args.vs_lmcache, tmp, l1_gb)
-                    try:
+                    with lmcache_running(args.vs_lmcache, tmp, l1_gb) as (port, _):
                         rows.update(measure("reuse_lmcache", tmp, model, lmcache_peer(port), loads["reuse"],
                                             max_model_len, python=args.vs_lmcache))
-                    finally:
-                        os.killpg(proc.pid, 15)
-                        proc.wait(30)
                 except Exception as exc:
                     failed["reuse_lmcache"] = repr(exc)[-2000:]
                     print(f"   reuse_lmcache FAILED: {exc!r}"[:3000], flush=True)

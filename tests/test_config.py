@@ -165,6 +165,7 @@ def test_unknown_key_suggests_only_a_likely_typo_of_the_same_type(tmp_path):
     ({"remote_serde": "zstd"}, "remote_serde", "expected one of 'naive'"),
     ({"cache_policy": "LFU"}, "cache_policy", "L1 evicts the least recently used chunk (LRU), not LFU"),
     ({"cache_policy": "random"}, "cache_policy", "expected one of 'LRU'"),
+    ({"cache_policy": "LIP"}, "cache_policy", "LIP drops newly stored chunks first: set local_disk or remote_url"),
     ({"blocking_timeout_secs": 0}, "blocking_timeout_secs", "blocking_timeout_secs=0"),
     ({"blocking_timeout_secs": math.inf}, "blocking_timeout_secs", "expected seconds > 0"),
     ({"lookup_timeout_ms": -5}, "lookup_timeout_ms", "lookup_timeout_ms=-5"),

@@ -217,6 +217,14 @@ STABLE = [
      ' with it), tp_mismatch (the same model at another TP size)'),
     ("p2p_directory_failures", "counter", ('op',),
      "Writes of this instance's directory entries that failed (op: advertise); retried, and every entry written again"),
+    ("request_hints", "counter", ('hint',),
+     'Requests whose kv_transfer_params carried a hint that was followed (hint: skip_save, pin)'),
+    ("refused_request_hints", "counter", ('reason',),
+     'Hints in kv_transfer_params that were ignored (reason: malformed, unknown, bad_skip_save, '
+     'bad_pin_tokens, pins_disabled)'),
+    ("pins_released", "counter", ('reason',),
+     'Pinned prefixes let go before a later pin (reason: budget, the oldest when '
+     'extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)'),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),
@@ -244,6 +252,10 @@ STABLE = [
      "Connections open to a prefill instance's transfer servers"),
     ("p2p_directory_entries", "gauge", (),
      'Chunks this instance lists in the P2P directory (its L1; what peers can pull)'),
+    ("pinned_prefixes", "gauge", (),
+     "Prefixes pinned in L1 by requests' lmcache.pin_tokens"),
+    ("pinned_bytes", "gauge", (),
+     'Bytes of the L1 chunks those pins keep'),
 ]
 
 

@@ -55,6 +55,31 @@ def test_lru_eviction_when_arena_is_full():
     assert metrics.value("evictions", tier="local_cpu") == 1
 
 
+def test_lip_evicts_the_newest_unused_entry_and_keeps_a_loop_partly():
+    """cache_policy LIP (insert_cold): a new entry is the next to go until a get makes it recent, so a loop of
+    chunks larger than L1 keeps some of them instead of evicting each just before its next use (LRU)."""
+    for insert_cold, kept in ((False, "acd"), (True, "abd")):
+        l1 = LocalCPUBackend(HostAllocator(3 * NBYTES, insert_cold=insert_cold))
+        for key in "abc":
+            _stored(l1, key, 1.0)
+        l1.get_sync("a").ref_down()
+        _stored(l1, "d", 4.0)  # LRU: b is the least recently used; LIP: c, never used since it came
+        assert "".join(k for k in "abcd" if l1.contains_sync(k)) == kept
+    hits = {}
+    for insert_cold in (False, True):
+        l1 = LocalCPUBackend(HostAllocator(3 * NBYTES, insert_cold=insert_cold))
+        hits[insert_cold] = 0
+        for _ in range(5):
+            for key in "abcde":  # each chunk looked up (and loaded) in turn, stored again when missing
+                got = l1.get_sync(key)
+                if got is None:
+                    _stored(l1, key, 1.0)
+                else:
+                    hits[insert_cold] += 1
+                    got.ref_down()
+    assert hits == {False: 0, True: 8}
+
+
 def test_pinned_and_referenced_entries_are_not_evicted():
     l1 = LocalCPUBackend(HostAllocator(2 * NBYTES))
     a = _stored(l1, "a", 1.0)

@@ -45,6 +45,10 @@ def _cpu_choice(value: str) -> Optional[str]:
     return None
 
 
+def _fraction(value: float) -> Optional[str]:
+    return None if 0.0 <= value <= 1.0 else "a fraction from 0 to 1"
+
+
 def READABLE_FILE(path: str) -> Optional[str]:  # noqa: N802 (a check, named like the constants above)
     if not os.path.isfile(path) or not os.access(path, os.R_OK):
         return "expected the path of a readable file"
@@ -78,6 +82,10 @@ class ExtraConfig:
                                              "(during start-up), 'background' (low-priority thread) or 'off'",
                                       choices=("off", "background", "sync"),
                                       value_aliases={False: "off", True: "background"})
+    max_pinned_fraction: float = setting(0.25, "L1 that prefixes pinned by requests (kv_transfer_params "
+                                               "lmcache.pin_tokens) may keep at most, as a fraction of "
+                                               "max_local_cpu_size; the oldest pins are let go first; 0: pin "
+                                               "hints are refused", check=_fraction)
     # L2 local disk
     disk_io_threads: int = setting(8, "threads reading chunk files (writes: one thread per write_workers)",
                                    check=POSITIVE_INT)

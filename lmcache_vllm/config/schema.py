@@ -71,7 +71,11 @@ class LMCacheConfig:
     min_retrieve_tokens: int = setting(
         0, "a hit that would load fewer new tokens than this is not loaded (vLLM computes them); 0: every "
            "hit is loaded", check=at_least(0, "tokens"))
-    cache_policy: str = setting("LRU", "L1 eviction order", choices=("LRU",))
+    cache_policy: str = setting(
+        "LRU", "L1 eviction order: LRU (least recently used first); LIP (LRU, but a chunk enters as the least "
+               "recently used: only a load makes it recent, so chunks stored or read once evict each other "
+               "before the ones in use; needs local_disk or remote_url, where the chunks it drops stay; see "
+               "docs/BENCHMARKS.md, conversations)", choices=("LRU", "LIP"))
     blocking_timeout_secs: float = setting(
         10.0, "upper bound of every synchronous wait on the cache; past it: a miss, never a hang",
         check=greater_than(0, "seconds"))
@@ -156,6 +160,9 @@ def _check_together(cfg: LMCacheConfig) -> list[Problem]:
         elif cfg.max_local_disk_bytes <= 0:
             problems.append(Problem("max_local_disk_size", cfg.max_local_disk_size,
                                     "expected a size > 0 when local_disk is set"))
+    if cfg.cache_policy == "LIP" and cfg.local_disk is None and cfg.remote_url is None:
+        problems.append(Problem("cache_policy", cfg.cache_policy, "LIP drops newly stored chunks first: set "
+                                "local_disk or remote_url to keep them, or use LRU"))
     if cfg.remote_url is not None:
         message = remote_url_problem(cfg.remote_url)
         if message:

@@ -13,7 +13,9 @@ Lifetime and eviction:
   references; the region is freed when the count reaches 0. A `ref_down()` on a freed object raises.
 - `pin()`/`unpin()` protect an object from eviction (a lookup pins what it promised to load).
 - An owner that can give an object up (the L1 index) registers an eviction callback with
-  `obj.set_evictor(callback)`; the object is then kept in LRU order (`obj.touch()` marks a use).
+  `obj.set_evictor(callback)`; the object is then kept in LRU order (`obj.touch()` marks a use). It enters
+  at the most recently used end, or with `insert_cold` at the least recently used one (LIP, "LRU insertion"):
+  then only a use makes it recent, and a stream of new objects evicts itself instead of what is in use.
   When an allocation does not fit, the allocator picks least-recently-used evictable objects that are
   neither pinned nor referenced by anyone but their owner (ref_count == 1) and calls `callback(obj)`;
   the callback must forget the object and drop the owner's reference (`obj.ref_down()`). Callbacks
@@ -129,7 +131,7 @@ class HostAllocator:
     """Free-list allocator over one host arena; thread-safe. See the module docstring for the rules."""
 
     def __init__(self, capacity_bytes: int, pin_memory: Optional[bool] = None,
-                 default_timeout: float = 0.0, prefault: str = "off"):
+                 default_timeout: float = 0.0, prefault: str = "off", insert_cold: bool = False):
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if pin_memory is None:
@@ -151,6 +153,7 @@ class HostAllocator:
         if prefault != "off" and not self.pinned_arena:
             self.prefaulter = ArenaPrefaulter(self.arena, background=prefault == "background")
         self.default_timeout = default_timeout
+        self.insert_cold = insert_cold
         self._cond = threading.Condition(threading.Lock())
         # Free blocks, two sorted views of the same set: by start (for coalescing) and by
         # (size, start) (for best-fit search).
@@ -359,7 +362,7 @@ class HostAllocator:
             self._check_live(obj, "set_evictor")
             obj._evictor = callback
             self._lru[id(obj)] = obj
-            self._lru.move_to_end(id(obj))
+            self._lru.move_to_end(id(obj), last=not self.insert_cold)
             self._cond.notify_all()
 
     def _clear_evictor(self, obj: MemoryObj) -> None:

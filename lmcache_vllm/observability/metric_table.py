@@ -196,6 +196,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        ("reason",)),
     _c("p2p_directory_failures", "requests", "Writes of this instance's directory entries that failed (op: "
        "advertise); retried, and every entry written again", ("op",)),
+    # -- per-request hints in kv_transfer_params (docs/CONFIG.md, "Per-request hints")
+    _c("request_hints", "requests", "Requests whose kv_transfer_params carried a hint that was followed "
+       "(hint: skip_save, pin)", ("hint",), scope="engine"),
+    _c("refused_request_hints", "requests", "Hints in kv_transfer_params that were ignored (reason: "
+       "malformed, unknown, bad_skip_save, bad_pin_tokens, pins_disabled)", ("reason",), scope="engine"),
+    _c("pins_released", "prefixes", "Pinned prefixes let go before a later pin (reason: budget, the "
+       "oldest when extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)", ("reason",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
@@ -216,5 +223,7 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("pd_server_connections", "connections", "Connections open to a prefill instance's transfer servers"),
     _g("p2p_directory_entries", "chunks", "Chunks this instance lists in the P2P directory (its L1; what peers "
        "can pull)"),
+    _g("pinned_prefixes", "prefixes", "Prefixes pinned in L1 by requests' lmcache.pin_tokens"),
+    _g("pinned_bytes", "bytes", "Bytes of the L1 chunks those pins keep"),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}

@@ -96,7 +96,8 @@ def build_allocator(config: LMCacheConfig) -> HostAllocator:
     if not config.local_cpu and size_bytes <= 0:
         # No L1 cache, but transfers still need an arena to stage chunks in.
         size_bytes = int(config.extra_config.staging_buffer_size * GB)
-    return HostAllocator(size_bytes, prefault=config.extra_config.prefault_local_cpu)
+    return HostAllocator(size_bytes, prefault=config.extra_config.prefault_local_cpu,
+                         insert_cold=config.cache_policy == "LIP")
 
 
 def build_lower_tiers(config: LMCacheConfig,

@@ -169,6 +169,27 @@ def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
     assert {e.block_hashes[0] for e in ours["local_disk"]} == {first.block_hashes[0], second.block_hashes[0]}
 
 
+def test_per_request_hints_skip_save_and_pin_a_prefix(server):
+    """kv_transfer_params from the client: lmcache.skip_save stores nothing (the repeat is computed again),
+    lmcache.pin_tokens pins the prompt's whole chunks in L1, a key we do not follow is counted, not an error."""
+    base, model, log = server
+    skipped, pinned = h.random_tokens(47, 600), h.random_tokens(48, 600)
+    before = _scrape(base)
+    hints = {"lmcache.skip_save": True, "lmcache.tag.user": "x"}
+    answer = _post(f"{base}/v1/completions", {"model": model, "prompt": skipped, "max_tokens": 8,
+                                              "temperature": 0.0, "kv_transfer_params": hints})
+    assert answer["usage"]["completion_tokens"] == 8
+    assert _cached(_completion(base, model, skipped)) == 0, log  # nothing of the first was stored
+    _post(f"{base}/v1/completions", {"model": model, "prompt": pinned, "max_tokens": 8, "temperature": 0.0,
+                                     "kv_transfer_params": {"lmcache.pin_tokens": 10_000}})
+    got = _wait_for(base, lambda m: m.get(("lmcache_vllm:pinned_bytes", ""), 0) > 0)
+    assert got[("lmcache_vllm:pinned_prefixes", "")] == 1, log
+    def total(scraped: dict, name: str) -> float:  # over every label (hint, reason)
+        return sum(v for (n, _), v in scraped.items() if n == f"lmcache_vllm:{name}")
+    assert total(got, "request_hints_total") - total(before, "request_hints_total") == 2  # skip_save, pin
+    assert total(got, "refused_request_hints_total") - total(before, "refused_request_hints_total") == 1
+
+
 def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):
     base, model, log = server
     prompt = h.random_tokens(42, 600)

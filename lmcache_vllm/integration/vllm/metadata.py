@@ -58,6 +58,16 @@ class PeerHoldSpec:
 
 
 @dataclass
+class PinSpec:
+    """Keep the L1 chunks of `token_ids` (whole chunks of a prompt's start) once the request's saves are over: the
+    request asked for it (`lmcache.pin_tokens`, request_hints.py)."""
+
+    req_id: str
+    token_ids: np.ndarray  # int64
+    extra: ExtraKeys | None = None
+
+
+@dataclass
 class LoadSpec:
     """Load tokens [skip_leading, load_end) of `token_ids` into the request's blocks.
 
@@ -120,7 +130,8 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     peer_holds: list[PeerHoldSpec] = field(default_factory=list)
     peer_unholds: list[str] = field(default_factory=list)
     peer_releases: list[PeerSpec] = field(default_factory=list)
+    pins: list[PinSpec] = field(default_factory=list)  # prefixes requests asked to keep in L1
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.release_req_ids or self.peer_holds or self.peer_unholds
-                    or self.peer_releases)
+                    or self.peer_releases or self.pins)

@@ -49,6 +49,7 @@ from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, Loo
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, SaveSpec
 from lmcache_vllm.integration.vllm.pd.params import wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
+from lmcache_vllm.integration.vllm.request_hints import SchedulerHints
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
 from lmcache_vllm.integration.vllm.request_tracker import (
     PendingLoad,
@@ -98,6 +99,7 @@ class SchedulerHalf:
         self._unheld: list[str] = []  # looked up, allocated without a load: the workers let go
         self._delayed_free: list[str] = []  # finished with saves: vLLM frees them on finished_sending
         self.pd = pd  # disaggregated prefill (None: kv_transfer_params are ignored)
+        self.hints = SchedulerHints(config, chunk_size, can_pin=groups is None)  # lmcache.* kv_transfer_params
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -287,7 +289,7 @@ class SchedulerHalf:
         assert self.groups is not None
         for req_id, states in self.groups.states(scheduler_output).items():
             tracker = self._trackers.get(req_id)
-            if tracker is None or not self.can_save or tracker.extra is None:
+            if tracker is None or not self.can_save or tracker.extra is None or self.hints.skip_save(tracker):
                 continue
             limit = len(tracker.request.all_token_ids) if self.save_decode_cache else tracker.prompt_len
             states = [s for s in states if s[2] <= limit]
@@ -349,6 +351,7 @@ class SchedulerHalf:
     def _forget(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self.hints.forget(req_id)
 
     def _emit_load(self, tracker: RequestTracker, meta: LMCacheConnectorMetadata,
                    is_async: bool = False) -> None:
@@ -371,7 +374,7 @@ class SchedulerHalf:
     def _emit_save(self, tracker: RequestTracker, computed_before: int, kv_end: int,
                    meta: LMCacheConnectorMetadata) -> None:
         """Save what became computable this step: KV of tokens [0, kv_end) exists after it."""
-        if not self.can_save or tracker.extra is None:
+        if not self.can_save or tracker.extra is None or self.hints.skip_save(tracker):
             return
         if tracker.remote is not None and not tracker.remote.stores_through:
             return  # KV pulled from a peer not trusted to write the shared tiers (pd/trust.py): it stays in L1
@@ -402,7 +405,9 @@ class SchedulerHalf:
 
     def _emit_hold(self, tracker: RequestTracker, kv_end: int, meta: LMCacheConnectorMetadata) -> None:
         """Prefill side: once the prompt's KV exists (this step), its chunks are held for the decode
-        instance; the workers register the hold in this step, before vLLM can answer the request."""
+        instance; the workers register the hold in this step, before vLLM can answer the request. And a
+        prefix the request asked to pin, once its KV exists."""
+        self.hints.emit_pin(tracker, kv_end, meta)
         if tracker.holds_for_peer and not tracker.hold_emitted and kv_end >= tracker.prompt_len:
             tracker.hold_emitted = True
             meta.peer_holds.append(PeerHoldSpec(tracker.req_id, tracker.token_ids(tracker.prompt_len),

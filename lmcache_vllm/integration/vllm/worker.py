@@ -32,6 +32,7 @@ from lmcache_vllm.integration.vllm.load_pipeline import FailureAgreement, LoadPi
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery, LookupServer
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
+from lmcache_vllm.integration.vllm.request_hints import WorkerPins
 from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
@@ -72,6 +73,7 @@ class WorkerHalf:
         self.durable_saves = durable_saves
         self._peer_factory = peer_factory
         self.pd: PeerTransfer | None = None
+        self.pins: WorkerPins | None = None  # prefixes requests asked to keep in L1 (request_hints.py)
         self.engine: CacheEngine | GroupedEngine | None = None
         self.load: LoadPipeline | None = None
         self.save: SavePipeline | None = None
@@ -105,6 +107,8 @@ class WorkerHalf:
                                "KV cache groups (%s): such requests are computed by the decode instance", engine)
         else:
             self.pd = self._peer_factory(engine) if self._peer_factory is not None else None
+            pin_budget = int(config.extra_config.max_pinned_fraction * config.max_local_cpu_bytes)
+            self.pins = WorkerPins(engine, pin_budget) if config.local_cpu and pin_budget > 0 else None
         self.load = LoadPipeline(engine, self.kv_caches, self.layer_index, block_size=self.block_size,
                                  use_layerwise=layerwise, timeout_s=config.blocking_timeout_secs,
                                  failure_agreement=self._failure_agreement,
@@ -133,6 +137,8 @@ class WorkerHalf:
         """vLLM's reset of the prefix cache (sent by the scheduler): saves handed out so far land first,
         then L1 (and with `lower_tiers` L2/L3) is emptied. 1 when done."""
         self.drain_saves()
+        if self.pins is not None:
+            self.pins.clear()  # a reset empties L1: pinned prefixes too
         if self.engine is None:
             return 1
         ok = self.engine.clear(lower_tiers=lower_tiers)
@@ -167,6 +173,9 @@ class WorkerHalf:
         if self.pd is not None:
             self.pd.close()
             self.pd = None
+        if self.pins is not None:
+            self.pins.close()
+            self.pins = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -210,6 +219,8 @@ class WorkerHalf:
         self.save.wait_for_save(meta, self.load.failed)
         if self.pd is not None and meta.peer_holds:
             self.pd.hold(meta.peer_holds, self.save.queue, self.load.failed)
+        if self.pins is not None and meta.pins:
+            self.pins.pin(meta.pins, self.save.queue, self.load.failed)
 
     def get_finished(self, meta: LMCacheConnectorMetadata | None,
                      finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
