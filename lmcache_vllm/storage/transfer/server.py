@@ -13,8 +13,8 @@ holds of `holds.PeerHolds`:
 - RELEASE(request): ends the hold (no reply).
 - FETCH(keys) (P2P): `by_key(keys, peer host)` checks out what L1 holds of the keys' longest prefix
   (`keyed.py`), sent like a PULL's chunks; without `by_key` (P2P off) or for a peer it refuses: ERR auth.
-With a MAC secret, a request without a valid MAC is answered ERR auth (a PULL) or ignored (a RELEASE), and
-its connection closed.
+The chunks and replies are sent by `sending.py`. With a MAC secret, a request without a valid MAC is answered
+ERR auth (or, a RELEASE, ignored), and its connection closed.
 
 What a peer can make it spend before its request is authenticated is bounded (`wire.RequestReader`): one
 thread (`lmcache-pd-transfer`, a `selectors` loop: any file descriptor number) reads every connection's
@@ -38,24 +38,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.transfer import wire
 from lmcache_vllm.storage.transfer.holds import Checkout, DuplicateKey, HoldState, PeerHolds
-from lmcache_vllm.storage.transfer.sockets import (
-    LeaseOver,
-    bind_address,
-    peer_name,
-    recv_request,
-    send_message,
-    tune,
-)
-
-if TYPE_CHECKING:
-    from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.storage.transfer.sending import send_chunks, send_reply
+from lmcache_vllm.storage.transfer.sockets import bind_address, peer_name, recv_request, send_message, tune
 
 __all__ = ["TransferServer", "bind_address", "recv_request", "send_message", "tune"]  # the helpers: `sockets`
 
@@ -375,46 +366,11 @@ class TransferServer:
         return self._send(conn, request, checkout)
 
     def _send(self, conn: _Connection, request: wire.PeerRequest, checkout: Checkout) -> bool:
-        objs: list[MemoryObj] = checkout.objs
-        deadline = time.monotonic() + checkout.expires_in
-        sent_bytes = sent = 0
-        try:
-            for index, (obj, key, header) in enumerate(zip(objs, checkout.keys, checkout.headers)):
-                send_message(conn.sock, wire.chunk_reply(index, key, obj.tensor, header=header), deadline=deadline,
-                             io_timeout_s=self.io_timeout_s)
-                sent_bytes += obj.nbytes
-                sent += 1
-            self.holds.sent(objs)  # every byte is in the kernel's buffers: the chunks may go
-            objs = []
-            send_message(conn.sock, wire.end_reply(sent), io_timeout_s=self.io_timeout_s)
-            if request.op == wire.PULL:  # a FETCH's chunks are P2P's, counted by its source (keyed.py)
-                metrics.inc("pd_served_chunks", len(checkout.objs))
-                metrics.inc("pd_served_bytes", sent_bytes)
-            return True
-        except LeaseOver:
-            metrics.inc("pd_server_refusals", reason="lease")
-            logs.warn(logger, "pd_send_lease", "request %s: %s still reading when the hold's lease ended "
-                      "(extra_config.pd_hold_secs); cut off after %d of %d chunks, their references dropped",
-                      logs.peer_text(request.req_id), conn.peer, sent, len(checkout.objs))
-            return False
-        except TimeoutError:
-            metrics.inc("pd_server_refusals", reason="stalled")
-            logs.warn(logger, "pd_send_stalled", "request %s: %s read nothing for %.0fs; cut off",
-                      logs.peer_text(request.req_id), conn.peer, self.io_timeout_s)
-            return False
-        except OSError as exc:  # the peer went away or stopped reading: it recomputes what it lacks
-            logs.warn(logger, "pd_peer_gone", "request %s: decode instance %s gone while sending (%s)",
-                      logs.peer_text(request.req_id), conn.peer, exc)
-            return False
-        finally:
-            self.holds.sent(objs)  # sent, cut off or failed: nothing stays pinned for this pull
+        return send_chunks(conn.sock, conn.peer, request, checkout, release=self.holds.sent,
+                           io_timeout_s=self.io_timeout_s)
 
     def _reply(self, conn: _Connection, frames: list[bytes]) -> bool:
-        try:
-            send_message(conn.sock, frames, io_timeout_s=self.io_timeout_s)
-            return True
-        except OSError:
-            return False  # the peer went away
+        return send_reply(conn.sock, frames, self.io_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
