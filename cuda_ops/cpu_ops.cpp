@@ -583,11 +583,32 @@ void parallel_items(int64_t n, int64_t grain, const F& fn, const G& done) {
   });
 }
 
+// One stored chunk of a call: its data and the part of the call's slot mapping it holds ([first, first + n)).
+template <typename T>
+struct ChunkPart {
+  T* base;
+  int64_t first, n;
+};
+
+// A run of one chunk (vec/amx): where its rows start in layer 0 and the chunk's layer and plane strides.
+template <typename T>
+struct Piece {
+  T* rows;  // layer 0, plane 0, the chunk row of seg.pos
+  int64_t layer_stride, plane_stride;
+  Segment seg;
+};
+
+// A token moved one row at a time: the chunk row (layer 0, plane 0), its slot, the chunk's strides.
+template <typename T>
+struct TokenRow {
+  T* row;
+  int64_t slot, layer_stride, plane_stride;
+};
+
 template <typename T, bool kGather>
-void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots,
-         int64_t num_tokens, const Plan& plan) {
+void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& caches, const std::vector<ChunkPart<T>>& parts,
+         const int64_t* slots) {
   const int64_t layers = static_cast<int64_t>(caches.size());
-  const int64_t layer_stride = g.planes * num_tokens * g.width, plane_stride = num_tokens * g.width;
   const int64_t heads = g.heads;
   // Non-temporal stores when every line the kernels write is 64-byte aligned: the chunk side (gather) or the
   // cache side (scatter; whole-line tiles start at block offsets that are multiples of 32) is written with
@@ -595,7 +616,8 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // AVX2 (vec): 32-byte alignment of every written piece is enough; measured ~1.3x on AMD Zen 3 (cpu_ops_avx2.h).
   const bool avx2 = isa == kAvx2 && avx2_takes<T>(layout, g);
   const uintptr_t line = avx2 ? 32 : 64;
-  bool aligned = reinterpret_cast<uintptr_t>(chunk) % line == 0;
+  bool aligned = true;
+  for (const auto& p : parts) aligned = aligned && reinterpret_cast<uintptr_t>(p.base) % line == 0;
   for (T* c : caches) aligned = aligned && reinterpret_cast<uintptr_t>(c) % 64 == 0;
   const bool stream = aligned && (g.width * sizeof(T)) % line == 0 &&
                       ((isa == kAvx512 && (g.dim * sizeof(T)) % 64 == 0 && g.bs % 32 == 0 &&
@@ -605,43 +627,52 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // contiguous stretch per plane) are read or written front to back while the cache side is whole lines.
   // The AVX2 gather instead takes (layer, run, head): it reads the head's K^T front to back and writes each
   // chunk row's head segment at once (measured faster than strips on Zen 3).
-  // AVX-512 vec with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
-  // prefetched while the previous head moves.
+  // AVX-512 with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
+  // prefetched while the previous head moves. The runs of every chunk of the call are tasks of one pool.
   const bool per_head = avx2 && kGather && heads > 1;
   const bool planes = isa == kAvx512 && layout == kVec && current_tasks() == kPlaneTasks;
-  std::vector<Segment> pieces;
-  for (const Segment& r : plan.runs)
-    for (int64_t s0 = r.first; s0 < r.first + r.len;) {
-      const int64_t s1 = heads > 1 && !per_head && !planes ? std::min(r.first + r.len, (s0 / kStrip + 1) * kStrip)
-                                                           : r.first + r.len;
-      pieces.push_back({r.pos + (s0 - r.first), r.block, s0, s1 - s0});
-      s0 = s1;
-    }
+  std::vector<Piece<T>> pieces;
+  std::vector<TokenRow<T>> tokens;
+  for (const auto& part : parts) {
+    const int64_t plane_stride = part.n * g.width, layer_stride = g.planes * plane_stride;
+    const int64_t* s = slots + part.first;
+    const Plan plan = make_plan(s, part.n, g.bs);
+    for (const Segment& r : plan.runs)
+      for (int64_t s0 = r.first; s0 < r.first + r.len;) {
+        const int64_t s1 = heads > 1 && !per_head && !planes ? std::min(r.first + r.len, (s0 / kStrip + 1) * kStrip)
+                                                             : r.first + r.len;
+        const Segment seg{r.pos + (s0 - r.first), r.block, s0, s1 - s0};
+        pieces.push_back({part.base + seg.pos * g.width, layer_stride, plane_stride, seg});
+        s0 = s1;
+      }
+    for (int64_t pos : plan.tokens) tokens.push_back({part.base + pos * g.width, s[pos], layer_stride, plane_stride});
+  }
   const int64_t np = static_cast<int64_t>(pieces.size()), head_tasks = per_head ? heads : 1;
   parallel_items(layers * np * head_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t layer = item / (np * head_tasks);
-      const Segment& seg = pieces[item / head_tasks % np];
-      T* rows = chunk + layer * layer_stride + seg.pos * g.width;
+      const Piece<T>& piece = pieces[item / head_tasks % np];
+      T* rows = piece.rows + layer * piece.layer_stride;
       const int64_t h0 = per_head ? item % head_tasks : 0;
-      move_run_heads<T, kGather>(isa, stream, planes, layout, g, caches[layer], seg, h0, per_head ? h0 + 1 : heads, rows,
-                                 plane_stride);
+      move_run_heads<T, kGather>(isa, stream, planes, layout, g, caches[layer], piece.seg, h0,
+                                 per_head ? h0 + 1 : heads, rows, piece.plane_stride);
     }
   }, [&] {
 #if defined(__SSE2__)
     if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the call returns
 #endif
   });
-  const int64_t ntok = static_cast<int64_t>(plan.tokens.size());
+  const int64_t ntok = static_cast<int64_t>(tokens.size());
   if (ntok) {
     parallel_items(layers * ntok, 16, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t layer = item / ntok, pos = plan.tokens[item % ntok], slot = slots[pos];
+        const int64_t layer = item / ntok;
+        const TokenRow<T>& t = tokens[item % ntok];
         for (int64_t plane = 0; plane < g.planes; ++plane) {
-          T* row = chunk + layer * layer_stride + plane * plane_stride + pos * g.width;
+          T* row = t.row + layer * t.layer_stride + plane * t.plane_stride;
           T* cache = caches[layer];
           for (int64_t h = 0; h < g.heads; ++h)
-            move_token_head<T, kGather>(layout, g, cache + element_offset(layout, g, plane, slot, h, 0), plane,
+            move_token_head<T, kGather>(layout, g, cache + element_offset(layout, g, plane, t.slot, h, 0), plane,
                                         row + h * g.dim);
         }
       }
@@ -655,18 +686,28 @@ struct Strided {
   int64_t s_block, s_head, s_token;               // element strides of the [B, H, N, C] view
 };
 
-// Tasks: (layer, strip of kStrip tokens); per token every plane and head is one piece of D elements.
+// Tasks: (layer, strip of kStrip tokens of one chunk); per token every plane and head is one piece of D elements.
 template <typename T, bool kGather>
-void run_strided(const Strided& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots, int64_t n) {
+void run_strided(const Strided& g, const std::vector<T*>& caches, const std::vector<ChunkPart<T>>& parts,
+                 const int64_t* slots) {
   const int64_t layers = static_cast<int64_t>(caches.size());
-  const int64_t strips = (n + kStrip - 1) / kStrip, plane_stride = n * g.width;
+  struct Strip {
+    int64_t part, t0, t1;
+  };
+  std::vector<Strip> strips;
+  for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); ++p)
+    for (int64_t t0 = 0; t0 < parts[p].n; t0 += kStrip) strips.push_back({p, t0, std::min(parts[p].n, t0 + kStrip)});
+  const int64_t ns = static_cast<int64_t>(strips.size());
   const size_t piece = static_cast<size_t>(g.dim) * sizeof(T);
-  parallel_items(layers * strips, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(layers * ns, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t layer = item / strips, t0 = (item % strips) * kStrip, t1 = std::min(n, t0 + kStrip);
-      T* layer_chunk = chunk + layer * g.planes * plane_stride;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t slot = slots[t];
+      const int64_t layer = item / ns;
+      const Strip& strip = strips[item % ns];
+      const ChunkPart<T>& part = parts[strip.part];
+      const int64_t plane_stride = part.n * g.width;
+      T* layer_chunk = part.base + layer * g.planes * plane_stride;
+      for (int64_t t = strip.t0; t < strip.t1; ++t) {
+        const int64_t slot = slots[part.first + t];
         if (slot < 0) continue;
         T* token = caches[layer] + (slot / g.bs) * g.s_block + (slot % g.bs) * g.s_token;
         for (int64_t p = 0; p < g.planes; ++p) {
@@ -693,21 +734,32 @@ bool same_layout(const torch::Tensor& a, const torch::Tensor& b) {
          a.device() == b.device();
 }
 
-// The chunk and slot checks every layout shares.
-std::string check_common(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk) {
+// The chunk and slot checks every layout shares: every chunk [layers, planes, T_i, width] like chunk 0 but for
+// T_i, and the slot mapping as long as the chunks' tokens together (chunk i holds the next T_i slots).
+std::string check_common(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                         const std::vector<torch::Tensor>& chunks) {
   if (caches.empty()) return msg("no KV caches given");
+  if (chunks.empty()) return msg("no chunks given");
   for (size_t i = 0; i < caches.size(); ++i)
     if (!caches[i].defined() || !caches[i].device().is_cpu()) return msg("cache ", i, " must be a CPU tensor");
-  if (!chunk.defined() || chunk.dim() != 4 || !chunk.is_contiguous() || !chunk.device().is_cpu())
-    return msg("chunk must be a contiguous CPU tensor [layers, planes, T, width]");
   if (!slots.defined() || slots.dim() != 1 || slots.scalar_type() != torch::kInt64 || !slots.is_contiguous() ||
       !slots.device().is_cpu())
     return msg("slot_mapping must be a contiguous 1-D int64 CPU tensor");
-  if (chunk.size(0) != static_cast<int64_t>(caches.size()) || chunk.size(2) != slots.size(0))
-    return msg("chunk ", chunk.sizes(), " does not match ", caches.size(), " layers and ", slots.size(0), " slots");
-  if (chunk.scalar_type() != caches[0].scalar_type())
-    return msg("chunk dtype ", chunk.scalar_type(), " differs from the caches' dtype ", caches[0].scalar_type());
-  const int64_t item = chunk.element_size();
+  int64_t tokens = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const torch::Tensor& c = chunks[i];
+    if (!c.defined() || c.dim() != 4 || !c.is_contiguous() || !c.device().is_cpu())
+      return msg("chunk ", i, " must be a contiguous CPU tensor [layers, planes, T, width]");
+    if (c.size(0) != static_cast<int64_t>(caches.size()) || c.size(1) != chunks[0].size(1) ||
+        c.size(3) != chunks[0].size(3))
+      return msg("chunk ", i, " ", c.sizes(), " does not match ", caches.size(), " layers and chunk 0 ", chunks[0].sizes());
+    if (c.scalar_type() != caches[0].scalar_type())
+      return msg("chunk ", i, " dtype ", c.scalar_type(), " differs from the caches' dtype ", caches[0].scalar_type());
+    tokens += c.size(2);
+  }
+  if (tokens != slots.size(0))
+    return msg("chunks of ", tokens, " tokens in all: that does not match ", slots.size(0), " slots");
+  const int64_t item = chunks[0].element_size();
   if (item != 1 && item != 2 && item != 4 && item != 8) return msg("unsupported element size ", item);
   return "";
 }
@@ -754,29 +806,34 @@ std::string check_strided(const std::vector<torch::Tensor>& caches, const torch:
 }
 
 template <bool kGather>
-std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
-                     int64_t layout, int64_t block_size) {
+std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                     const std::vector<torch::Tensor>& chunks, int64_t layout, int64_t block_size) {
   if (layout != kVec && layout != kAmx && layout != kStrided) return msg("unknown layout code ", layout);
-  std::string error = check_common(caches, slots, chunk);
+  std::string error = check_common(caches, slots, chunks);
   if (!error.empty()) return error;
   Geometry g{};
   Strided sg{};
-  error = layout == kStrided ? check_strided(caches, chunk, block_size, sg) : check_packed(caches, chunk, layout, block_size, g);
+  error = layout == kStrided ? check_strided(caches, chunks[0], block_size, sg)
+                             : check_packed(caches, chunks[0], layout, block_size, g);
   if (!error.empty()) return error;
   error = check_slots(slots, layout == kStrided ? sg.blocks * sg.bs : g.blocks * g.bs);
   if (!error.empty()) return error;
 
   const int64_t* s = static_cast<const int64_t*>(slots.data_ptr());
-  const int64_t n = slots.size(0);
   auto go = [&](auto tag) {
     using T = decltype(tag);
     std::vector<T*> ptrs;
     for (const auto& c : caches) ptrs.push_back(static_cast<T*>(c.data_ptr()));
-    T* out = static_cast<T*>(chunk.data_ptr());
-    if (layout == kStrided) run_strided<T, kGather>(sg, ptrs, out, s, n);
-    else run<T, kGather>(current_isa(), layout, g, ptrs, out, s, n, make_plan(s, n, g.bs));
+    std::vector<ChunkPart<T>> parts;
+    int64_t first = 0;
+    for (const auto& c : chunks) {
+      parts.push_back({static_cast<T*>(c.data_ptr()), first, c.size(2)});
+      first += c.size(2);
+    }
+    if (layout == kStrided) run_strided<T, kGather>(sg, ptrs, parts, s);
+    else run<T, kGather>(current_isa(), layout, g, ptrs, parts, s);
   };
-  switch (chunk.element_size()) {
+  switch (chunks[0].element_size()) {
     case 1: go(uint8_t{}); break;
     case 2: go(uint16_t{}); break;
     case 4: go(uint32_t{}); break;
@@ -788,12 +845,22 @@ std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tens
 // The bindings: nothing escapes as a C++ exception (an allocation failure in the plan is reported too).
 std::string gather(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, torch::Tensor out,
                    int64_t layout, int64_t block_size) {
-  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, out, layout, block_size); });
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, {out}, layout, block_size); });
 }
 
 std::string scatter(const torch::Tensor& chunk, const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
                     int64_t layout, int64_t block_size) {
-  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunk, layout, block_size); });
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, {chunk}, layout, block_size); });
+}
+
+std::string gather_chunks(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                          const std::vector<torch::Tensor>& outs, int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, outs, layout, block_size); });
+}
+
+std::string scatter_chunks(const std::vector<torch::Tensor>& chunks, const std::vector<torch::Tensor>& caches,
+                           const torch::Tensor& slots, int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunks, layout, block_size); });
 }
 
 // Raises a c10::Error on purpose: run in a child process, it tells whether C++ exceptions from this extension
@@ -810,6 +877,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter", &scatter, "chunk [L, planes, T, width] -> paged caches; returns '' or an error message",
         py::arg("chunk"), py::arg("caches"), py::arg("slots"), py::arg("layout"), py::arg("block_size"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_chunks", &gather_chunks, "paged caches -> chunks [L, planes, T_i, width], chunk i taking the next "
+        "T_i slots; returns '' or an error message", py::arg("caches"), py::arg("slots"), py::arg("outs"),
+        py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_chunks", &scatter_chunks, "chunks [L, planes, T_i, width] -> paged caches, chunk i holding the "
+        "next T_i slots; returns '' or an error message", py::arg("chunks"), py::arg("caches"), py::arg("slots"),
+        py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kIsaNames[current_isa()]); },
         "kernel set in use: avx512, avx2, sse2 or scalar");
   m.def("set_isa", &set_isa_checked, "use kernel set auto|avx512|avx2|sse2|scalar (tests and benchmarks); returns '' "

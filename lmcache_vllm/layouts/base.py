@@ -162,36 +162,60 @@ class PagedKVLayout(ABC):
 
         On a GPU the copy is only enqueued on the current stream: `out` (host memory) holds the KV once
         that stream has passed this point (`streams.Fence`)."""
-        caches = self._check_caches(kv_caches)
-        slots = self._check_slots(slot_mapping)
-        self._check_chunk(out, slots.numel(), self.num_layers, "out")
-        self._transfer(True, caches, slots, out)
+        self.gather_chunks(kv_caches, slot_mapping, [out])
 
     def scatter(self, chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         """Copies every layer of `chunk` into the slots of the paged caches (on a GPU: enqueued on the
         current stream; `chunk` must stay untouched until the stream has passed this point)."""
+        self.scatter_chunks([chunk], kv_caches, slot_mapping)
+
+    def gather_chunks(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                      outs: Sequence[torch.Tensor]) -> None:
+        """`gather` into several chunks in one call: `outs[i]` (`chunk_shape(T_i)`) takes the next T_i slots
+        of `slot_mapping` (whose length is the sum of the T_i): a save's chunks, one compiled call."""
         caches = self._check_caches(kv_caches)
         slots = self._check_slots(slot_mapping)
-        self._check_chunk(chunk, slots.numel(), self.num_layers, "chunk")
-        self._transfer(False, caches, slots, chunk)
+        self._check_chunks(outs, slots.numel(), self.num_layers, "out")
+        self._transfer(True, caches, slots, list(outs))
+
+    def scatter_chunks(self, chunks: Sequence[torch.Tensor], kv_caches: Sequence[torch.Tensor],
+                       slot_mapping: torch.Tensor) -> None:
+        """`scatter` of several chunks in one call, chunk i holding the next T_i slots of `slot_mapping`: a
+        load's chunks, one compiled call."""
+        caches = self._check_caches(kv_caches)
+        slots = self._check_slots(slot_mapping)
+        self._check_chunks(chunks, slots.numel(), self.num_layers, "chunk")
+        self._transfer(False, caches, slots, list(chunks))
 
     def gather_layer(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      out_layer: torch.Tensor) -> None:
         """One layer of `gather`: out_layer is `chunk_shape(T)[1:]`."""
-        self._check_layer_index(layer)
-        cache = self._check_caches([kv_cache])[0]
-        slots = self._check_slots(slot_mapping)
-        self._check_chunk(out_layer.unsqueeze(0), slots.numel(), 1, "out_layer")
-        self._transfer(True, [cache], slots, out_layer.unsqueeze(0))
+        self.gather_layer_chunks(layer, kv_cache, slot_mapping, [out_layer])
 
     def scatter_layer(self, chunk_layer: torch.Tensor, layer: int, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
         """One layer of `scatter`: chunk_layer is `chunk_shape(T)[1:]`."""
+        self.scatter_layer_chunks([chunk_layer], layer, kv_cache, slot_mapping)
+
+    def gather_layer_chunks(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            out_layers: Sequence[torch.Tensor]) -> None:
+        """One layer of `gather_chunks`: each out_layer is `chunk_shape(T_i)[1:]`."""
         self._check_layer_index(layer)
         cache = self._check_caches([kv_cache])[0]
         slots = self._check_slots(slot_mapping)
-        self._check_chunk(chunk_layer.unsqueeze(0), slots.numel(), 1, "chunk_layer")
-        self._transfer(False, [cache], slots, chunk_layer.unsqueeze(0))
+        outs = [out.unsqueeze(0) for out in out_layers]
+        self._check_chunks(outs, slots.numel(), 1, "out_layer")
+        self._transfer(True, [cache], slots, outs)
+
+    def scatter_layer_chunks(self, chunk_layers: Sequence[torch.Tensor], layer: int, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+        """One layer of `scatter_chunks`: each chunk_layer is `chunk_shape(T_i)[1:]`."""
+        self._check_layer_index(layer)
+        cache = self._check_caches([kv_cache])[0]
+        slots = self._check_slots(slot_mapping)
+        chunks = [chunk.unsqueeze(0) for chunk in chunk_layers]
+        self._check_chunks(chunks, slots.numel(), 1, "chunk_layer")
+        self._transfer(False, [cache], slots, chunks)
 
     # ---- which path moves the data ---------------------------------------------------------------
     def bind_kernel(self, kv_caches: Sequence[torch.Tensor], policy: str = "auto",
@@ -225,25 +249,44 @@ class PagedKVLayout(ABC):
         return ops.compiled_for(device, self.op_code)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor) -> None:
+    def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                  chunks: list[torch.Tensor]) -> None:
         device = caches[0].device
         ext = self._kernel_for(caches)
-        if ext is not None and chunk.device.type == "cpu" and device.type != "cpu" and not chunk.is_pinned():
+        if ext is not None and device.type != "cpu" and any(c.device.type == "cpu" and not c.is_pinned()
+                                                           for c in chunks):
             ext = None  # the kernels reach host memory only through a pinned chunk's device alias
         if ext is not None:
-            self.kernel_transfer(ext, gather, caches, slots, chunk)
+            self.kernel_transfer_chunks(ext, gather, caches, slots, chunks)
         else:
-            self.torch_transfer(gather, caches, slots, chunk)
+            self.torch_transfer_chunks(gather, caches, slots, chunks)
 
     def kernel_transfer(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
                         chunk: torch.Tensor) -> None:
         """One gather (caches -> chunk) or scatter of checked inputs through the compiled op `ext`."""
+        self.kernel_transfer_chunks(ext, gather, caches, slots, [chunk])
+
+    def kernel_transfer_chunks(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                               chunks: list[torch.Tensor]) -> None:
+        """`kernel_transfer` of several chunks (chunk i: the next T_i slots), one call where the op allows."""
         if self.op_code is None:
             raise LayoutError(f"{self.name}: no compiled op moves this layout")
         _, device_slots = self._plan_for(slots, caches[0].device, need_plan=False)
-        error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
+        error = ops.transfer_chunks(ext, gather, caches, device_slots, chunks, self.op_code, self.geometry.block_size)
         if error:
             raise LayoutError(f"{self.name}: {error}")
+
+    def torch_transfer_chunks(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                              chunks: list[torch.Tensor]) -> None:
+        """`torch_transfer` of each chunk in turn (chunk i: the next T_i slots)."""
+        if len(chunks) == 1:
+            self.torch_transfer(gather, caches, slots, chunks[0])
+            return
+        first = 0
+        for chunk in chunks:
+            count = chunk.shape[2]
+            self.torch_transfer(gather, caches, slots[first:first + count], chunk)
+            first += count
 
     def torch_transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
                        chunk: torch.Tensor) -> None:
@@ -335,10 +378,27 @@ class PagedKVLayout(ABC):
                               f"{self.geometry.num_slots} slots")
         return slots
 
-    def _check_chunk(self, chunk: torch.Tensor, num_tokens: int, num_layers: int, what: str) -> None:
-        expected = (num_layers,) + self.chunk_shape(num_tokens)[1:]
-        if tuple(chunk.shape) != expected or chunk.dtype != self.geometry.dtype:
-            raise LayoutError(f"{self.name}: {what} is {tuple(chunk.shape)} {chunk.dtype}, "
-                              f"expected {expected} {self.geometry.dtype}")
-        if not chunk.is_contiguous():
-            raise LayoutError(f"{self.name}: {what} must be contiguous")
+    def _check_chunks(self, chunks: Sequence[torch.Tensor], num_tokens: int, num_layers: int, what: str) -> None:
+        """Each chunk is `[num_layers, planes, T_i, width]` of the layout's dtype, contiguous, and the T_i add up
+        to the slot mapping's `num_tokens`."""
+        if not chunks:
+            raise LayoutError(f"{self.name}: no {what} given")
+        g = self.geometry
+        total = 0
+        for chunk in chunks:
+            shape = chunk.shape
+            if len(shape) != 4 or shape[0] != num_layers or shape[1] != g.kv_planes or shape[3] != g.token_width \
+                    or chunk.dtype != g.dtype:
+                expected = (num_layers, g.kv_planes, "T", g.token_width)
+                raise LayoutError(f"{self.name}: {what} is {tuple(shape)} {chunk.dtype}, "
+                                  f"expected {expected} {g.dtype}")
+            if not chunk.is_contiguous():
+                raise LayoutError(f"{self.name}: {what} must be contiguous")
+            total += shape[2]
+        if total != num_tokens:
+            if len(chunks) == 1:
+                expected_one = (num_layers,) + self.chunk_shape(num_tokens)[1:]
+                raise LayoutError(f"{self.name}: {what} is {tuple(chunks[0].shape)} {chunks[0].dtype}, "
+                                  f"expected {expected_one} {g.dtype}")
+            raise LayoutError(f"{self.name}: the {len(chunks)} {what}s hold {total} tokens, the slot mapping "
+                              f"has {num_tokens}")

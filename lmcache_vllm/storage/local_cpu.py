@@ -55,6 +55,27 @@ class LocalCPUBackend(StorageBackend):
         obj.touch()
         return obj
 
+    def contains_many_sync(self, keys: Sequence[str]) -> list[bool]:
+        """`contains_sync` of each key, under one lock."""
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def get_prefix_sync(self, keys: Sequence[str]) -> list[MemoryObj]:
+        """`get_sync` of the leading keys up to the first one not indexed, under one lock (a lookup's or a
+        load's chunks)."""
+        out: list[MemoryObj] = []
+        with self._lock:
+            index = self._index
+            for key in keys:
+                obj = index.get(key)
+                if obj is None:
+                    break
+                obj.ref_up()
+                out.append(obj)
+        for obj in out:
+            obj.touch()
+        return out
+
     def put_sync(self, key: str, obj: MemoryObj) -> bool:
         """Indexes `obj` under `key` with the index's own reference; an existing entry is kept."""
         if not self.keep_entries:
