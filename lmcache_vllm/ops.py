@@ -135,7 +135,19 @@ def transfer_chunks(ext: ModuleType, gather: bool, caches: Sequence[torch.Tensor
     return ""
 
 
+def log_cpu_tasks(ext: ModuleType) -> None:
+    """Logs once how the compiled CPU op splits its calls (`_cpu_ops.tasks`) and why."""
+    key = "cpu_tasks"
+    if key in _logged:
+        return
+    _logged.add(key)
+    note = ext.tasks_note() or "not chosen yet"
+    logger.info("compiled CPU op: %s kernels, task shape %s (%s)", ext.isa(), ext.tasks(), note)
+
+
 def describe() -> dict[str, object]:
     """What is available, for logs and `lmcache-vllm` diagnostics."""
-    return {"mode": _mode, "cpu_ext": cpu_ext() is not None,
+    cpu = cpu_ext()
+    tasks = f"{cpu.tasks()} ({cpu.tasks_note()})" if cpu is not None and hasattr(cpu, "tasks_note") else None
+    return {"mode": _mode, "cpu_ext": cpu is not None, "cpu_tasks": tasks,
             "cuda_ext": _load("_cuda_ops") is not None, "cuda_available": torch.cuda.is_available()}

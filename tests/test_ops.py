@@ -293,9 +293,32 @@ def test_kernel_choices_switch_and_refuse_unknown_names(restore_isa):
     assert "unknown isa" in cpu_ext.set_isa("neon")
     assert cpu_ext.set_isa("auto") == "" and cpu_ext.isa() == _isas()[-1]
     assert "unknown task shape" in cpu_ext.set_tasks("rows")
-    vendor = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    assert cpu_ext.set_tasks("auto") == ""
-    assert cpu_ext.tasks() == ("plane" if "AuthenticAMD" in vendor else "strip")
+    assert cpu_ext.set_tasks("plane") == "" and (cpu_ext.tasks(), cpu_ext.tasks_note()) == ("plane", "set")
+    assert cpu_ext.set_tasks("auto") == "" and (cpu_ext.tasks(), cpu_ext.tasks_note()) == ("auto", "")
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("kind", ["vec", "amx"])
+def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, kind):
+    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels, on
+    scratch buffers of that call's geometry, and keeps the faster for the process: no table of CPU kinds. The
+    connector makes that first call when it binds the layout at start-up (`bind_kernel`), not in a request."""
+    if "avx512" not in _isas():
+        pytest.skip("the task shapes are those of the AVX-512 kernels")
+    assert cpu_ext.set_isa("avx512") == "" and cpu_ext.set_tasks("auto") == ""
+    gen = torch.Generator().manual_seed(3)
+    caches = cpu_caches(kind, 2, 4, 2, 64, 32, torch.bfloat16, gen)
+    layout = detect_layout(caches, **hint(kind))
+    layout.bind_kernel(caches)
+    chosen, note = cpu_ext.tasks(), cpu_ext.tasks_note()
+    assert chosen in ("strip", "plane"), chosen
+    assert "strip" in note and "plane" in note and " ms" in note, note
+    times = dict(part.split()[:2] for part in note.split(": ", 1)[1].split(", ")[:2])  # {"strip": "1.2", ...}
+    assert float(times[chosen]) <= float(times["plane" if chosen == "strip" else "strip"])
+    slots = torch.arange(5, 60)  # later calls keep that choice and give the torch path's bits
+    via_op = torch.zeros(layout.chunk_shape(slots.numel()), dtype=torch.bfloat16)
+    assert_compiled_matches_torch(layout, caches, slots, via_op, gen)
+    assert (cpu_ext.tasks(), cpu_ext.tasks_note()) == (chosen, note)
 
 
 def _vllm_cpu_op():

@@ -231,7 +231,21 @@ class PagedKVLayout(ABC):
         with self._bind_lock:
             verdict, chosen = choose_kernel(self, caches, policy, ext)
             self._bound = (caches[0].device, chosen, verdict) if verdict.bound else None
+        if ext is None and caches[0].device.type == "cpu":
+            self._choose_cpu_tasks(caches)
         return verdict
+
+    def _choose_cpu_tasks(self, caches: list[torch.Tensor]) -> None:
+        """The compiled CPU op picks its task shape by timing both on its first call (`_cpu_ops.tasks`): that
+        call is made here, at start-up (a gather of one block into a scratch chunk), not in a request's step."""
+        ext = ops.compiled_for(caches[0].device, self.op_code)
+        if ext is None or not hasattr(ext, "tasks_note"):
+            return
+        if ext.tasks() == "auto":
+            bs = self.geometry.block_size
+            out = torch.empty(self.chunk_shape(bs), dtype=self.geometry.dtype)
+            self.gather(caches, torch.arange(bs), out)
+        ops.log_cpu_tasks(ext)
 
     def _kernel_for(self, caches: list[torch.Tensor]) -> Any:
         """The compiled op for this copy, or None for the torch path."""
