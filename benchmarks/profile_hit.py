@@ -22,21 +22,21 @@ import tempfile
 import time
 from pathlib import Path
 
-# What the connector does per hit, by the function that does it (file suffix, function name).
-CONNECTOR_FUNCTIONS = (
-    ("lookup: scheduler asks the worker", "integration/vllm/scheduler.py", "get_num_new_matched_tokens"),
-    ("lookup: worker answers", "integration/vllm/loads.py", "lookup"),
-    ("lookup: keys and holds", "engine/cache_engine.py", "lookup_and_hold"),
-    ("load: start_load_kv", "integration/vllm/worker.py", "start_load_kv"),
-    ("load: the pipeline's load", "integration/vllm/load_pipeline.py", "_load"),
-    ("load: engine.retrieve", "engine/cache_engine.py", "retrieve"),
-    ("load: storage.get", "storage/manager.py", "get"),
-    ("load: compiled scatter", "lmcache_vllm/ops.py", "transfer"),
-    ("load: compiled scatter (all chunks)", "lmcache_vllm/ops.py", "transfer_chunks"),
-    ("save: wait_for_save", "integration/vllm/worker.py", "wait_for_save"),
-    ("meta: build_connector_meta", "integration/vllm/scheduler.py", "build_connector_meta"),
-    ("stats: take_stats", "integration/vllm/stats.py", "take_stats"),
-)
+# What the connector does per hit: a label, then the function that does it (file suffix:function name).
+CONNECTOR_FUNCTIONS = """
+lookup: scheduler asks the worker     = integration/vllm/scheduler.py:get_num_new_matched_tokens
+lookup: worker answers                = integration/vllm/loads.py:lookup
+lookup: keys and holds                = engine/cache_engine.py:lookup_and_hold
+load: start_load_kv                   = integration/vllm/worker.py:start_load_kv
+load: the pipeline's load             = integration/vllm/load_pipeline.py:_load
+load: engine.retrieve                 = engine/cache_engine.py:retrieve
+load: storage.get                     = storage/manager.py:get
+load: compiled scatter (per chunk)    = lmcache_vllm/ops.py:transfer
+load: compiled scatter (all chunks)   = lmcache_vllm/ops.py:transfer_chunks
+save: wait_for_save                   = integration/vllm/worker.py:wait_for_save
+meta: build_connector_meta            = integration/vllm/scheduler.py:build_connector_meta
+stats: take_stats                     = integration/vllm/stats.py:take_stats
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{sorted(walls)[len(walls) // 2] * 1e3:.1f} ms")
     entries = stats.stats  # type: ignore[attr-defined]
     print("\nthe connector's work per hit (cumulative ms; calls per hit):")
-    for label, suffix, name in CONNECTOR_FUNCTIONS:
+    for line in CONNECTOR_FUNCTIONS.strip().splitlines():
+        label, _, where = (part.strip() for part in line.partition("="))
+        suffix, _, name = where.partition(":")
         found = [(v[3], v[1]) for (path, _line, fn), v in entries.items() if fn == name and path.endswith(suffix)]
         if found:
             cum, calls = sum(f[0] for f in found), sum(f[1] for f in found)

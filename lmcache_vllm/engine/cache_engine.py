@@ -11,6 +11,7 @@ arena range is never reused while a copy may still read it. On the CPU both happ
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Sequence
@@ -22,7 +23,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import MemoryObj, release_all
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.manager import StorageManager
@@ -141,6 +142,12 @@ class CacheEngine:
         self._releases = DeferredRelease()  # chunks read by copies still in flight on a GPU
 
     # ------------------------------------------------------------------ helpers
+    def _release_after(self, kv_caches: Sequence[torch.Tensor], objs: list[MemoryObj]) -> None:
+        """Drops our references on `objs` once the copies enqueued so far have passed (at once on the CPU),
+        all in one call (one allocator lock)."""
+        if objs:
+            self._releases.add(Fence.record(_device(kv_caches)), [functools.partial(release_all, list(objs))])
+
     def _count(self, what: str, tokens: int) -> None:
         if self._group:
             metrics.inc(f"group_{what}_tokens", tokens, group=self._group)
@@ -297,7 +304,7 @@ class CacheEngine:
                 self.storage.put(chunk.key, obj)
                 stored += chunk.num_tokens
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for _, obj in gathered])
+            self._release_after(kv_caches, [obj for _, obj in gathered])
         self._count("stored", stored)
         return stored
 
@@ -320,7 +327,7 @@ class CacheEngine:
                                            self._masked_slots(slot_mapping, mask, start, end))
                 loaded[start:end] = mask[start:end]
         finally:  # the chunks go back once the (GPU) stream has read them
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
+            self._release_after(kv_caches, plan.objs)
         self._count("loaded", int(loaded.sum()))
         return loaded
 
@@ -357,7 +364,7 @@ class CacheEngine:
             self._count("stored", stored)
             return stored
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
+            self._release_after(kv_caches, objs)
 
     def retrieve_layer(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                        mask: torch.Tensor | None = None, extra: ExtraKeys | None = None, owner: int | None = None,
@@ -383,7 +390,7 @@ class CacheEngine:
                                                      kv_caches[layer], slots)
                 yield layer
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
+            self._release_after(kv_caches, plan.objs)
 
     def wait_written(self, tokens: TokenIds, timeout: float, extra: ExtraKeys | None = None) -> bool:
         """Waits (at most `timeout` s) until the chunks of `tokens` are written to every lower tier

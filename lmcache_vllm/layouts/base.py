@@ -200,22 +200,21 @@ class PagedKVLayout(ABC):
     def gather_layer_chunks(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             out_layers: Sequence[torch.Tensor]) -> None:
         """One layer of `gather_chunks`: each out_layer is `chunk_shape(T_i)[1:]`."""
-        self._check_layer_index(layer)
-        cache = self._check_caches([kv_cache])[0]
-        slots = self._check_slots(slot_mapping)
-        outs = [out.unsqueeze(0) for out in out_layers]
-        self._check_chunks(outs, slots.numel(), 1, "out_layer")
-        self._transfer(True, [cache], slots, outs)
+        self._layer_transfer(True, layer, kv_cache, slot_mapping, out_layers, "out_layer")
 
     def scatter_layer_chunks(self, chunk_layers: Sequence[torch.Tensor], layer: int, kv_cache: torch.Tensor,
                              slot_mapping: torch.Tensor) -> None:
         """One layer of `scatter_chunks`: each chunk_layer is `chunk_shape(T_i)[1:]`."""
+        self._layer_transfer(False, layer, kv_cache, slot_mapping, chunk_layers, "chunk_layer")
+
+    def _layer_transfer(self, gather: bool, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        chunk_layers: Sequence[torch.Tensor], what: str) -> None:
         self._check_layer_index(layer)
         cache = self._check_caches([kv_cache])[0]
         slots = self._check_slots(slot_mapping)
         chunks = [chunk.unsqueeze(0) for chunk in chunk_layers]
-        self._check_chunks(chunks, slots.numel(), 1, "chunk_layer")
-        self._transfer(False, [cache], slots, chunks)
+        self._check_chunks(chunks, slots.numel(), 1, what)
+        self._transfer(gather, [cache], slots, chunks)
 
     # ---- which path moves the data ---------------------------------------------------------------
     def bind_kernel(self, kv_caches: Sequence[torch.Tensor], policy: str = "auto",

@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -119,6 +119,26 @@ class MemoryObj:
     def __repr__(self) -> str:
         return (f"MemoryObj(offset={self.offset}, nbytes={self.nbytes}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, ref_count={self.ref_count}, pin_count={self.pin_count})")
+
+
+def _by_allocator(objs: Iterable[Optional[MemoryObj]]) -> list[tuple["HostAllocator", list[MemoryObj]]]:
+    groups: dict[int, tuple[HostAllocator, list[MemoryObj]]] = {}
+    for obj in objs:
+        if obj is not None:
+            groups.setdefault(id(obj._allocator), (obj._allocator, []))[1].append(obj)
+    return list(groups.values())
+
+
+def release_all(objs: Iterable[Optional[MemoryObj]]) -> None:
+    """`ref_down` of each object (None skipped), one lock per allocator."""
+    for allocator, group in _by_allocator(objs):
+        allocator.ref_down_all(group)
+
+
+def touch_all(objs: Iterable[Optional[MemoryObj]]) -> None:
+    """`touch` of each object (None skipped), in order, one lock per allocator."""
+    for allocator, group in _by_allocator(objs):
+        allocator.touch_all(group)
 
 
 # alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
@@ -317,23 +337,49 @@ class HostAllocator:
 
     def _ref_down(self, obj: MemoryObj) -> None:
         with self._cond:
-            self._check_live(obj, "ref_down (double free?)")
-            obj.ref_count -= 1
-            if obj.ref_count > 0:
-                if obj.ref_count == 1 and obj._evictor is not None:
-                    self._cond.notify_all()  # it may have just become evictable
-                return
-            obj._freed = True
-            obj._tensor = None
-            self._lru.pop(id(obj), None)
-            obj._evictor = None
-            if obj.pin_count:
-                self._pinned_bytes -= obj.reserved
-                obj.pin_count = 0
-            self._used -= obj.reserved
-            self._num_live -= 1
-            self._release(obj.offset, obj.reserved)
-            self._cond.notify_all()
+            self._ref_down_locked(obj)
+
+    def _ref_down_locked(self, obj: MemoryObj) -> None:
+        self._check_live(obj, "ref_down (double free?)")
+        obj.ref_count -= 1
+        if obj.ref_count > 0:
+            if obj.ref_count == 1 and obj._evictor is not None:
+                self._cond.notify_all()  # it may have just become evictable
+            return
+        obj._freed = True
+        obj._tensor = None
+        self._lru.pop(id(obj), None)
+        obj._evictor = None
+        if obj.pin_count:
+            self._pinned_bytes -= obj.reserved
+            obj.pin_count = 0
+        self._used -= obj.reserved
+        self._num_live -= 1
+        self._release(obj.offset, obj.reserved)
+        self._cond.notify_all()
+
+    # A lookup's or a load's chunks, all at once: one lock, not one per chunk (these run in vLLM's step).
+    def ref_up_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`ref_up` of each object (of this allocator)."""
+        with self._cond:
+            for obj in objs:
+                self._check_live(obj, "ref_up")
+            for obj in objs:
+                obj.ref_count += 1
+
+    def ref_down_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`ref_down` of each object (of this allocator)."""
+        with self._cond:
+            for obj in objs:
+                self._ref_down_locked(obj)
+
+    def touch_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`touch` of each object (of this allocator), in order: the last is the most recently used."""
+        with self._cond:
+            lru = self._lru
+            for obj in objs:
+                if id(obj) in lru:
+                    lru.move_to_end(id(obj))
 
     def _pin(self, obj: MemoryObj) -> None:
         with self._cond:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj
+from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj, touch_all
 from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.tier import Tier
@@ -70,10 +70,9 @@ class LocalCPUBackend(StorageBackend):
                 obj = index.get(key)
                 if obj is None:
                     break
-                obj.ref_up()
                 out.append(obj)
-        for obj in out:
-            obj.touch()
+            self.allocator.ref_up_all(out)  # under the index's lock: none can be evicted before
+        touch_all(out)
         return out
 
     def put_sync(self, key: str, obj: MemoryObj) -> bool:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import MemoryObj, touch_all
 from lmcache_vllm.storage.base import release_objs
 from lmcache_vllm.storage.tier import Tier
 
@@ -74,9 +74,7 @@ class PrefetchHolds:
                 if not entries:
                     del self._by_key[key]
                 held.remove(key)
-        for obj in out:
-            if obj is not None:
-                obj.touch()
+        touch_all(out)
         return out
 
     def take(self, key: str, owner: Optional[int] = None) -> Optional[MemoryObj]:
