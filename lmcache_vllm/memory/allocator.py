@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -119,26 +119,6 @@ class MemoryObj:
     def __repr__(self) -> str:
         return (f"MemoryObj(offset={self.offset}, nbytes={self.nbytes}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, ref_count={self.ref_count}, pin_count={self.pin_count})")
-
-
-def _by_allocator(objs: Iterable[Optional[MemoryObj]]) -> list[tuple["HostAllocator", list[MemoryObj]]]:
-    groups: dict[int, tuple[HostAllocator, list[MemoryObj]]] = {}
-    for obj in objs:
-        if obj is not None:
-            groups.setdefault(id(obj._allocator), (obj._allocator, []))[1].append(obj)
-    return list(groups.values())
-
-
-def release_all(objs: Iterable[Optional[MemoryObj]]) -> None:
-    """`ref_down` of each object (None skipped), one lock per allocator."""
-    for allocator, group in _by_allocator(objs):
-        allocator.ref_down_all(group)
-
-
-def touch_all(objs: Iterable[Optional[MemoryObj]]) -> None:
-    """`touch` of each object (None skipped), in order, one lock per allocator."""
-    for allocator, group in _by_allocator(objs):
-        allocator.touch_all(group)
 
 
 # alloc(shape, dtype) -> a MemoryObj holding one reference for the caller, or None when memory is full.
