@@ -63,6 +63,7 @@ class PagedKVLayout(ABC):
 
     name: str = "abstract"
     op_code: int | None = None  # layout id understood by the compiled ops; None = torch only
+    cpu_task_shapes = False  # the compiled CPU op splits this layout's calls by a task shape it measures
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
@@ -190,7 +191,7 @@ class PagedKVLayout(ABC):
     def _choose_cpu_tasks(self, caches: list[torch.Tensor]) -> None:
         """The compiled CPU op picks its task shape by timing both on its first call (`_cpu_ops.tasks`): that
         call is made here, at start-up (a gather of one block into a scratch chunk), not in a request's step."""
-        ext = ops.compiled_for(caches[0].device, self.op_code)
+        ext = ops.compiled_for(caches[0].device, self.op_code) if self.cpu_task_shapes else None
         if ext is None or not hasattr(ext, "tasks_note"):
             return
         if ext.tasks() == "auto":
