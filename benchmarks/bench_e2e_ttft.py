@@ -5,8 +5,10 @@ without the connector (what the cache costs when it never helps).
     python benchmarks/bench_e2e_ttft.py [--quick] [--json FILE] [--png FILE] [--sync-save]
 
 Full: the `medium` local Llama (8 layers, hidden 1024) and 3900-token prompts. --quick: the `tiny` model
-and 1400-token prompts. Both lengths are ones where vLLM's prefix cache (128-token blocks) and our
-256-token chunks serve a repeat the same number of tokens, so warm TTFTs compare the same work and every
+and 1400-token prompts. Our chunks are the connector's default (no chunk_size: vLLM's block size, 128, on the
+CPU backend) unless `--chunk-size N` sets one. Both lengths are ones where vLLM's prefix cache (128-token
+blocks) and our chunks (128 or 256 tokens) serve a repeat the same number of tokens, so warm TTFTs compare the
+same work and every
 output is checked against vLLM at the same prefill split (`lmcache_vllm.integration.vllm.testing.reference`):
 `outputs_like_with_like` is true when all of them are bit-identical. (The `save_unfull_chunk` run loads
 all but the last token, a split vLLM's prefix cache cannot serve: its tokens are not compared.) Each configuration
@@ -15,8 +17,8 @@ thread setup for every run, so all are comparable). TTFT is the wall time of a r
 max_tokens=1, best of the repeats (the shared machine's noise only adds time); vLLM's own per-request
 TTFT (its `first_token_latency`) is reported beside it as `*_vllm_s`.
 
-Warm from host memory is measured twice: with the default config (whole 256-token chunks only, so a
-repeat recomputes prompt_len % 256 tokens) and with `save_unfull_chunk: true` (the prompt's last, partial
+Warm from host memory is measured twice: with the default config (whole chunks only, so a repeat recomputes
+prompt_len % chunk_size tokens) and with `save_unfull_chunk: true` (the prompt's last, partial
 chunk is stored too; a repeat loads all but its last token). vLLM's prefix cache works in 128-token
 blocks and recomputes prompt_len % 128 tokens (at least 1).
 
@@ -47,6 +49,8 @@ from _common import REPO_ROOT, parse_args, print_table, write_json
 
 from lmcache_vllm.integration.vllm.testing.reference import like_with_like
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
+
+CPU_BLOCK_SIZE = 128  # vLLM's block size on its CPU backend
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -104,8 +108,11 @@ def main() -> None:
         p.add_argument("--png", default=os.path.join(REPO_ROOT, "bench_out", "e2e_ttft.png"), help="bar chart file")
         p.add_argument("--sync-save", action="store_true",
                        help="store inside the step (extra_config async_save=false), to compare with the default")
+        p.add_argument("--chunk-size", type=int, default=None,
+                       help="our chunk size (default: not set, the connector's choice: vLLM's block size, 128)")
 
     args = parse_args(__doc__.splitlines()[0], add_arguments)
+    chunk = args.chunk_size or CPU_BLOCK_SIZE  # not set: the connector takes vLLM's block size on the CPU backend
     size, prompt_len, repeats, batch, fresh_runs, tput_rounds, tput_batches = (
         ("tiny", 1400, 2, 4, 1, 1, 2) if args.quick else ("medium", 3900, 3, 4, 2, 3, 3))
     warm_repeats = 2 if args.quick else 5
@@ -126,8 +133,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmpdir:
         tmp = Path(tmpdir)
-        extra = {"chunk_size": 256, "max_local_cpu_size": 2.0, "local_disk": str(tmp / "l2"),
-                 "max_local_disk_size": 4.0, "extra_config": {"async_save": not args.sync_save}}
+        extra = {"max_local_cpu_size": 2.0, "local_disk": str(tmp / "l2"), "max_local_disk_size": 4.0,
+                 "extra_config": {"async_save": not args.sync_save},
+                 **({"chunk_size": args.chunk_size} if args.chunk_size else {})}
         ours = _run(tmp, "ours", {"model": model, "llm_kwargs": kwargs,
                                   "kv_transfer_config": dict(CONNECTOR, kv_connector_extra_config=extra),
                                   "phases": [{"name": f"cold{i}", "prompts": [p], **one}
@@ -196,7 +204,7 @@ def main() -> None:
     tput_plain = batch / min(_walls(tput["plain"], "batch"))
     tput_ratio_median = (statistics.median(_walls(tput["plain"], "batch"))
                          / statistics.median(_walls(tput["ours"], "batch")))
-    hit_expected = prompt_len - prompt_len % 256
+    hit_expected = prompt_len - prompt_len % chunk
     # Like with like: our cold, warm and disk requests per prompt against vLLM's cold and prefix-cache
     # requests of the same prompt; the 0 %-reuse batches against the batches without the connector.
     ours_by_prompt = [_requests(ours, f"cold{i}") + [r for j, r in enumerate(_requests(ours, "warm"))
@@ -215,6 +223,7 @@ def main() -> None:
     compared, same, unmatched = (sum(c[k] for c in checks) for k in range(3))
     results = {
         "model": size, "prompt_tokens": prompt_len, "batch_requests": batch, "async_save": not args.sync_save,
+        "chunk_size": chunk,
         "cold_ttft_s": cold, "cold_ttft_no_connector_s": cold_plain, "warm_l1_ttft_s": warm,
         "fresh_process_disk_ttft_s": disk, "fresh_process_disk_after_warmup_ttft_s": disk_warmed,
         "vllm_prefix_cache_ttft_s": pc_hit,
@@ -263,7 +272,7 @@ def main() -> None:
     print_table(f"0 % reuse, {batch} requests x {prompt_len} tokens, 16 output tokens", [
         ("with connector", tput_ours), ("without connector", tput_plain)], ("case", "requests_per_s"))
     print(f"\nwarm L1 = {warm / pc_hit:.2f}x vLLM prefix-cache hit with whole chunks "
-          f"({prompt_len % 256} tokens recomputed), {warm_unfull / pc_hit:.2f}x with save_unfull_chunk "
+          f"({prompt_len % chunk} tokens recomputed), {warm_unfull / pc_hit:.2f}x with save_unfull_chunk "
           f"(target <= 1.2x)")
     print(f"fresh-process disk = {disk / cold:.3f}x cold as first request, {disk_warmed / cold:.3f}x after a "
           f"warm-up request (target <= 0.2x); the difference is vLLM's one-time first-request cost")

@@ -4,7 +4,10 @@ noise hits every contender alike; the best round of each is reported).
 
 Shape (the engine's target case): 32 layers, 8 KV heads, head size 128, bf16, 256 tokens, block 128, for
 vLLM's CPU `vec` and `amx` packings; plus a mid-block start (partial blocks at both ends) and a
-scattered-slots case (random slots with holes and -1) where the per-token path runs. On a CUDA machine with
+scattered-slots case (random slots with holes and -1) where the per-token path runs. Then a whole cached
+prompt of the medium local model (head size 64, 3840 tokens in 128- or 256-token chunks, whole blocks or
+starting 5 tokens into a block) moved as a load and a save move it: every chunk in one call, and one call per
+chunk (`one_call_vs_per_chunk_ratio`: how much faster the one call is). On a CUDA machine with
 `lmcache_vllm._cuda_ops` built it also times the strided kernel on vLLM's FLASH_ATTN views (LBNHC, block 16)
 into device memory and into pinned host memory against a device-to-device copy and a raw pinned copy
 (cudaMemcpyAsync) of the same bytes, `calls` back-to-back operations between two CUDA events.
@@ -113,6 +116,58 @@ def bench_cpu(isa: str, slots_kind: str, rounds: int, calls: int, results: dict)
         results[f"{tag}_{name}"] = round(value, 3)
 
 
+def bench_cpu_load(isa: str, chunk_tokens: int, start: int, rounds: int, calls: int, results: dict) -> None:
+    """A whole cached prompt of the medium local model (8 layers, 4 KV heads, head size 64, bf16, block 128): 3840
+    tokens in chunks of `chunk_tokens`, as a load scatters them and a save gathers them: every chunk in one
+    compiled call (`scatter_chunks` / `gather_chunks`) and, for comparison, one call per chunk. `start`: the
+    block offset of the first token (0: whole blocks; else partial blocks at both ends)."""
+    layers, heads, head_size, block_size, tokens = 8, 4, 64, 128, 3840
+    blocks = tokens // block_size + 2
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(blocks, heads, block_size, 2 * head_size, generator=gen).to(torch.bfloat16)
+              for _ in range(layers)]
+    slots = torch.arange(start, start + tokens)
+    layout = detect_layout(caches, backend="CPU_ATTN", cpu_isa=isa)
+    sizes = [chunk_tokens] * (tokens // chunk_tokens)
+    chunks = [torch.empty(layout.chunk_shape(n), dtype=torch.bfloat16) for n in sizes]
+    layout.gather_chunks(caches, slots, chunks)
+    flat = torch.cat([c.flatten() for c in chunks])
+    copy_dst = torch.empty_like(flat)
+    bounds = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(len(sizes))]
+
+    def each(gather: bool) -> Callable[[], None]:
+        def run() -> None:
+            for chunk, (a, b) in zip(chunks, bounds):
+                if gather:
+                    layout.gather(caches, slots[a:b], chunk)
+                else:
+                    layout.scatter(chunk, caches, slots[a:b])
+        return run
+
+    contenders = {"copy": lambda: copy_dst.copy_(flat),
+                  "op_gather": with_mode("auto", lambda: layout.gather_chunks(caches, slots, chunks)),
+                  "op_scatter": with_mode("auto", lambda: layout.scatter_chunks(chunks, caches, slots)),
+                  "op_gather_each": with_mode("auto", each(True)),
+                  "op_scatter_each": with_mode("auto", each(False))}
+    samples: dict[str, list[float]] = {}
+    t = interleaved(contenders, rounds, calls, samples)
+    tag = f"cpu_{isa}_head64_chunk{chunk_tokens}" + (f"_start{start}" if start else "")
+    gib = flat.numel() * flat.element_size() / 2**30
+    print(f"\n{tag}: {layers} layers x {heads} heads x {head_size} x {tokens} tokens bf16 in {len(sizes)} chunks "
+          f"({gib * 1024:.0f} MiB)")
+    for name, seconds in t.items():
+        print(f"  {name:<17}{seconds * 1e3:>9.3f} ms {gib / seconds:>8.2f} GiB/s")
+        results[f"{tag}_{name}_ms"] = round(seconds * 1e3, 4)
+    ratios = {"op_vs_copy_store_retrieve_ratio": 2 * t["copy"] / (t["op_gather"] + t["op_scatter"]),
+              "op_vs_copy_store_retrieve_median_ratio": statistics.median(
+                  2 * c / (g + s) for c, g, s in zip(samples["copy"], samples["op_gather"], samples["op_scatter"])),
+              "one_call_vs_per_chunk_ratio": (t["op_gather_each"] + t["op_scatter_each"]) /
+                                             (t["op_gather"] + t["op_scatter"])}
+    for name, value in ratios.items():
+        print(f"  {name:<40}{value:>7.2f}")
+        results[f"{tag}_{name}"] = round(value, 3)
+
+
 def bench_cuda(rounds: int, calls: int, results: dict) -> None:
     if not torch.cuda.is_available() or ops.cuda_ext() is None:
         print("\ncuda: skipped (no GPU or lmcache_vllm._cuda_ops not built)")
@@ -212,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     for isa in ("vec", "amx"):
         bench_cpu(isa, "blocks", rounds, calls, results)
     bench_cpu("vec", "midblock", max(3, rounds // 2), calls, results)
+    bench_cpu("amx", "midblock", max(3, rounds // 2), calls, results)
+    for isa in ("vec", "amx"):
+        for chunk_tokens, start in ((128, 0), (256, 0), (256, 5)):
+            bench_cpu_load(isa, chunk_tokens, start, max(3, rounds // 2), calls, results)
     bench_cpu("vec", "scattered", max(3, rounds // 2), 1, results)
     if ops.cpu_ext() is not None:
         bench_cpu_strided(max(3, rounds // 2), calls, results)

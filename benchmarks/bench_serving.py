@@ -15,8 +15,8 @@ VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on
   compared with: `warm_l1_vs_device_throughput_ratio` (goal >= 0.9) and
   `warm_l1_ttft_p50_device_over_ours_ratio` (goal >= 1 / 1.2). With `--quick` the tiny model's prefixes fit
   vLLM's 1 GiB too, so there both passes 2 are mostly vLLM's own hits: a smoke test of the plumbing only.
-  Our chunks are 256 tokens (`--chunk-size`); vLLM's blocks are 128, so on a 3064-token prompt vLLM hits
-  2944 tokens and 256-token chunks 2816: `--chunk-size 128` removes that difference.
+  Our chunks are the connector's default (no chunk_size set: vLLM's block size, 128, on the CPU backend) unless
+  `--chunk-size N` sets one; with 256 on a 3064-token prompt vLLM hits 2944 tokens and 256-token chunks 2816.
 - no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
 - slow tier (reuse, vLLM's prefix cache off, a small L1 over a real Redis): Redis answering, then Redis
   frozen (DEBUG SLEEP) for a while every few seconds: the TTFT of the requests that wait for it rises, the
@@ -268,7 +268,8 @@ def main() -> None:
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode as the peer")
         p.add_argument("--only", nargs="*", help="run only these configurations (names as in the output)")
-        p.add_argument("--chunk-size", type=int, default=256, help="our chunk size (vLLM's blocks: 128)")
+        p.add_argument("--chunk-size", type=int, default=None,
+                       help="our chunk size (default: not set, the connector's choice: vLLM's block size, 128)")
         p.add_argument("--device-kv-gib", type=int, default=None,
                        help="vLLM's KV cache of the device-limit run (default 4, --quick 1): holds every prefix")
 

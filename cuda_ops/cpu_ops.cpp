@@ -24,6 +24,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <limits>
+#include <mutex>
+#include <numeric>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -90,32 +94,29 @@ Isa current_isa() {
   return static_cast<Isa>(isa);
 }
 
-// How the AVX-512 vec kernels split a call into tasks (`tasks()`, `set_tasks()`, env
-// LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape
-// tuned on Intel Xeon (1.08-1.24 of a plain copy there); plane = (layer, run) head by head with the next
-// head's source prefetched into L2, which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the
-// same prefetch: ~0.75; the K^T tiles are latency-bound there). auto: plane on AMD, strip elsewhere.
-enum Tasks : int { kStripTasks = 0, kPlaneTasks = 1 };
-const char* const kTaskNames[] = {"strip", "plane"};
+// How the AVX-512 vec and amx kernels split a call into tasks (`tasks()`, `set_tasks()`, env
+// LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape first
+// tuned on Intel Xeon (1.08-1.24 of a plain copy there); plane = (layer, run) head by head with the next head's
+// source prefetched into L2, which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the same
+// prefetch: ~0.75; the K^T tiles are latency-bound there). Which is faster depends on the CPU's prefetchers and
+// was never measured on every kind, so auto measures: the first call that runs these kernels times both shapes on
+// scratch buffers of its own geometry (`measure_tasks`, once per process) and keeps the faster (`tasks_note()`
+// says what was measured).
+enum Tasks : int { kStripTasks = 0, kPlaneTasks = 1, kAutoTasks = 2 };
+const char* const kTaskNames[] = {"strip", "plane", "auto"};
 std::atomic<int> g_tasks{-1};
+std::mutex g_tasks_mutex;  // guards the measurement and g_tasks_note
+std::string g_tasks_note;
 
 std::string set_tasks_checked(const std::string& name) {
   Tasks chosen;
-  if (name == "auto" || name.empty()) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    chosen = __builtin_cpu_is("amd") ? kPlaneTasks : kStripTasks;
-#else
-    chosen = kStripTasks;
-#endif
-  } else if (name == "strip") {
-    chosen = kStripTasks;
-  } else if (name == "plane") {
-    chosen = kPlaneTasks;
-  } else {
-    return "unknown task shape '" + name + "' (auto, strip, plane)";
-  }
+  if (name == "auto" || name.empty()) chosen = kAutoTasks;
+  else if (name == "strip") chosen = kStripTasks;
+  else if (name == "plane") chosen = kPlaneTasks;
+  else return "unknown task shape '" + name + "' (auto, strip, plane)";
+  std::lock_guard<std::mutex> lock(g_tasks_mutex);
   g_tasks.store(chosen);
+  g_tasks_note = chosen == kAutoTasks ? "" : "set";
   return "";
 }
 
@@ -127,12 +128,20 @@ Tasks current_tasks() {
   return static_cast<Tasks>(g_tasks.load());
 }
 
+std::string tasks_note() {
+  std::lock_guard<std::mutex> lock(g_tasks_mutex);
+  return g_tasks_note;
+}
+
 struct Geometry {
   int64_t blocks, bs, heads, dim, planes, width;
 };
 
-// Shorter in-block runs go one token at a time (sorted by slot so neighbours share cache lines).
+// Shorter in-block runs go one token at a time (sorted by slot so neighbours share cache lines). The AVX-512 tiles
+// (`avx512_tiles`) take every run of at least kMinTileRun tokens, their first and last tiles moving part of a
+// tile; single tokens (random slots) measured faster one by one (bench_ops.py's scattered case, AMD Zen 5).
 constexpr int64_t kMinRun = 8;
+constexpr int64_t kMinTileRun = 2;
 // Tokens per task of a run (a multiple of the 32-token AVX-512 tile and of amx's 16-token K groups).
 constexpr int64_t kStrip = 32;
 
@@ -145,7 +154,7 @@ struct Plan {
   std::vector<int64_t> tokens;  // chunk positions of the other valid slots, moved one by one
 };
 
-Plan make_plan(const int64_t* slots, int64_t n, int64_t bs) {
+Plan make_plan(const int64_t* slots, int64_t n, int64_t bs, int64_t min_run = kMinRun) {
   Plan plan;
   int64_t p = 0;
   while (p < n) {
@@ -153,7 +162,7 @@ Plan make_plan(const int64_t* slots, int64_t n, int64_t bs) {
     if (s < 0) { ++p; continue; }
     int64_t q = p + 1;  // extend while consecutive and inside the same block
     while (q < n && slots[q] == slots[q - 1] + 1 && slots[q] % bs != 0) ++q;
-    if (q - p >= kMinRun) plan.runs.push_back({p, s / bs, s % bs, q - p});
+    if (q - p >= min_run) plan.runs.push_back({p, s / bs, s % bs, q - p});
     else for (int64_t i = p; i < q; ++i) plan.tokens.push_back(i);
     p = q;
   }
@@ -368,6 +377,28 @@ void move_portable(Isa isa, int64_t layout, const Geometry& g, const HeadPlane<T
   move_tokens<T, kGather>(layout, g, x, plane, b, to);
 }
 
+// Whether the AVX-512 tile kernels move every token of a vec / amx run with elements of type T, any run (no
+// per-token path): vec needs 2- or 4-byte elements and head and block sizes that are multiples of the tile (32
+// or 16 tokens: one 64-byte line of one d), amx 2-byte elements and a head size that is a multiple of 32.
+template <typename T>
+bool avx512_tiles(int64_t layout, const Geometry& g) {
+  if (layout == kVec) {
+    constexpr int64_t n = sizeof(T) == 2 ? 32 : sizeof(T) == 4 ? 16 : 0;
+    return n > 0 && g.dim % n == 0 && g.bs % n == 0;
+  }
+  return layout == kAmx && sizeof(T) == 2 && g.dim % 32 == 0 && g.bs % 16 == 0;
+}
+
+#if defined(LMCACHE_HAVE_AVX512)
+// The AVX-512 tile transpose of U's size (32x32 of 16-bit, 16x16 of 32-bit elements).
+template <typename U, bool kStream, int kRows>
+LMCACHE_AVX512 inline void transpose_tile_avx512(const U* src, int64_t ss, U* dst, int64_t ds, int lo = 0,
+                                                 int hi = 64 / static_cast<int>(sizeof(U))) {
+  if constexpr (sizeof(U) == 2) lmcache_avx512::transpose32x32_u16<kStream, kRows>(src, ss, dst, ds, lo, hi);
+  else lmcache_avx512::transpose16x16_u32<kStream, kRows>(src, ss, dst, ds, lo, hi);
+}
+#endif
+
 #if defined(LMCACHE_HAVE_AVX512)
 // AVX-512 kernels for the tile-aligned middle of [o0, o1); the rest goes to the portable kernels. kStream:
 // the chunk side is written with non-temporal stores (gather into a 64-byte-aligned chunk). `next`: element
@@ -389,59 +420,74 @@ LMCACHE_AVX512 void move_avx512(int64_t layout, const Geometry& g, const HeadPla
     }
     return;
   }
-  if (layout == kVec && plane == 0 && (sizeof(T) == 2 || sizeof(T) == 4)) {  // K^T [D][bs]
+  if (layout == kVec && plane == 0 && avx512_tiles<T>(layout, g)) {  // K^T [D][bs]
+    // Tiles of n tokens aligned to n in the block (n tokens of one d fill a 64-byte line): the cache side is whole
+    // aligned lines; a run's first and last tiles may reach past it and move only its tokens (TileRows).
     constexpr int64_t n = sizeof(T) == 2 ? 32 : 16;
-    if (kStream && !kGather && o0 % n) return move_avx512<T, kGather, false>(layout, g, x, plane, next);  // unaligned lines
-    const int64_t stop = D % n ? o0 : o0 + (o1 - o0) / n * n;
     using U = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
     U* region = reinterpret_cast<U*>(x.region);
-    auto tile = [&](int64_t d, int64_t o) {
-      U* row = reinterpret_cast<U*>(x.row(o)) + d;
-      if (next) {  // the n source lines this tile reads, in the next head
-        const U* src = (kGather ? region + d * bs + o : row) + next;
-        const int64_t stride = kGather ? bs : W;
-        for (int64_t r = 0; r < n; ++r) k5::prefetch_l2(src + r * stride, 64);
-      }
-      if constexpr (sizeof(T) == 2) {
-        if (kGather) k5::transpose32x32_u16<kStream>(region + d * bs + o, bs, row, W);
-        else k5::transpose32x32_u16<kStream>(row, W, region + d * bs + o, bs);
-      } else {
-        if (kGather) k5::transpose16x16_u32<kStream>(region + d * bs + o, bs, row, W);
-        else k5::transpose16x16_u32<kStream>(row, W, region + d * bs + o, bs);
-      }
-    };
-    // Token strips outer: the chunk rows of one strip are read / written left to right, whole lines.
-    for (int64_t o = o0; o < stop; o += n)
-      for (int64_t d = 0; d < D; d += n) tile(d, o);
-    move_portable<T, kGather>(kSse2, layout, g, x, plane, stop, o1);
-    return;
-  }
-  if (layout == kAmx && sizeof(T) == 2 && D % 32 == 0) {
-    if (plane == 0) {  // K: 16 aligned tokens x 16 pairs of d per tile
-      const int64_t a = std::min(o1, (o0 + 15) / 16 * 16), b = std::max(a, o1 / 16 * 16), Dp = D / 2;
-      move_portable<T, kGather>(kSse2, layout, g, x, plane, o0, a);
-      for (int64_t o = a; o < b; o += 16) {
-        uint32_t* pairs = reinterpret_cast<uint32_t*>(x.region) + (o / 16) * Dp * 16;
-        uint32_t* row = reinterpret_cast<uint32_t*>(x.row(o));
-        for (int64_t k = 0; k < Dp; k += 16) {
-          if (kGather) k5::transpose16x16_u32<kStream>(pairs + k * 16, 16, row + k, W / 2);
-          else k5::transpose16x16_u32<kStream>(row + k, W / 2, pairs + k * 16, 16);
+    for (int64_t w = o0 / n * n; w < o1; w += n) {  // token windows outer: chunk rows left to right, whole lines
+      const int lo = static_cast<int>(std::max(o0, w) - w), hi = static_cast<int>(std::min(o1, w + n) - w);
+      for (int64_t d = 0; d < D; d += n) {
+        U* row = reinterpret_cast<U*>(x.row(w + lo)) + d;  // the chunk row of the window's first token moved
+        U* lines = region + d * bs + w;
+        if (next) {  // the source lines of this tile in the next head
+          if (kGather) for (int64_t r = 0; r < n; ++r) k5::prefetch_l2(lines + next + r * bs, 64);
+          else for (int64_t r = 0; r < hi - lo; ++r) k5::prefetch_l2(row + next + r * W, 64);
+        }
+        if (lo == 0 && hi == n) {
+          if (kGather) transpose_tile_avx512<U, kStream, k5::kAllRows>(lines, bs, row, W);
+          else transpose_tile_avx512<U, kStream, k5::kAllRows>(row, W, lines, bs);
+        } else if (kGather) {
+          transpose_tile_avx512<U, kStream, k5::kRowsOut>(lines, bs, row, W, lo, hi);
+        } else {
+          transpose_tile_avx512<U, false, k5::kRowsIn>(row, W, lines, bs, lo, hi);
         }
       }
-      move_portable<T, kGather>(kSse2, layout, g, x, plane, b, o1);
+    }
+    return;
+  }
+  if (layout == kAmx && avx512_tiles<T>(layout, g)) {
+    if (plane == 0) {  // K: 16 tokens (aligned to 16) x 16 pairs of d per tile, pairs as 32-bit elements
+      const int64_t Dp = D / 2;
+      for (int64_t w = o0 / 16 * 16; w < o1; w += 16) {
+        const int lo = static_cast<int>(std::max(o0, w) - w), hi = static_cast<int>(std::min(o1, w + 16) - w);
+        uint32_t* pairs = reinterpret_cast<uint32_t*>(x.region) + (w / 16) * Dp * 16;
+        uint32_t* row = reinterpret_cast<uint32_t*>(x.row(w + lo));
+        if (kGather && next) k5::prefetch_l2(reinterpret_cast<uint16_t*>(pairs) + next, Dp * 16 * 4);
+        for (int64_t k = 0; k < Dp; k += 16) {
+          if (lo == 0 && hi == 16) {
+            if (kGather) k5::transpose16x16_u32<kStream>(pairs + k * 16, 16, row + k, W / 2);
+            else k5::transpose16x16_u32<kStream>(row + k, W / 2, pairs + k * 16, 16);
+          } else if (kGather) {
+            k5::transpose16x16_u32<kStream, k5::kRowsOut>(pairs + k * 16, 16, row + k, W / 2, lo, hi);
+          } else {
+            k5::transpose16x16_u32<false, k5::kRowsIn>(row + k, W / 2, pairs + k * 16, 16, lo, hi);
+          }
+        }
+      }
       return;
     }
-    // V: token pairs x 32 d (two [16 d][2] lines) per step; d groups outer so the cache side is sequential.
+    // V: token pairs x 32 d (two [16 d][2] lines) per step; d groups outer so the cache side is sequential. A run
+    // starting on an odd token or ending on an even one has a pair of which it moves one token.
     const int64_t a = std::min(o1, (o0 + 1) / 2 * 2), b = std::max(a, o1 / 2 * 2);
-    move_portable<T, kGather>(kSse2, layout, g, x, plane, o0, a);
     uint16_t* region = reinterpret_cast<uint16_t*>(x.region);
-    for (int64_t i = 0; i < D / 16; i += 2)
+    for (int64_t i = 0; i < D / 16; i += 2) {
+      auto lines = [&](int64_t o) { return region + (i * (bs / 2) + o / 2) * 32; };
+      if (kGather && next) {  // this d group pair's lines of the run, in the next head
+        const int64_t bytes = ((o1 + 1) / 2 - o0 / 2) * 64;
+        k5::prefetch_l2(lines(o0) + next, bytes);
+        k5::prefetch_l2(lines(o0) + (bs / 2) * 32 + next, bytes);
+      }
+      if (o0 < a) k5::amx_v_lines_one<kGather>(lines(o0), lines(o0) + (bs / 2) * 32,
+                                                reinterpret_cast<uint16_t*>(x.row(o0)) + i * 16, true);
       for (int64_t o = a; o < b; o += 2) {
         uint16_t* row = reinterpret_cast<uint16_t*>(x.row(o)) + i * 16;
-        k5::amx_v_lines<kGather, kStream>(region + (i * (bs / 2) + o / 2) * 32,
-                                                     region + ((i + 1) * (bs / 2) + o / 2) * 32, row, row + W);
+        k5::amx_v_lines<kGather, kStream>(lines(o), lines(o) + (bs / 2) * 32, row, row + W);
       }
-    move_portable<T, kGather>(kSse2, layout, g, x, plane, b, o1);
+      if (b < o1) k5::amx_v_lines_one<kGather>(lines(b), lines(b) + (bs / 2) * 32,
+                                               reinterpret_cast<uint16_t*>(x.row(b)) + i * 16, false);
+    }
     return;
   }
   move_portable<T, kGather>(kSse2, layout, g, x, plane, o0, o1);
@@ -535,8 +581,69 @@ LMCACHE_AVX512 void move_vec_planes_avx512(const Geometry& g, T* cache, const Se
 }
 #endif
 
-// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: AVX-512 vec plane tasks
-// (move_vec_planes_avx512).
+#if defined(LMCACHE_HAVE_AVX512)
+// AVX-512, amx, plane tasks: heads [h0, h1) of a whole run. The gather goes head by head, each head's K and V
+// regions (32 KiB each at head size 128, read front to back) prefetched into L2 while the previous head moves.
+// The scatter goes across the heads instead, so that it reads the chunk rows front to back: K window by window
+// (16 tokens: every head's tiles of those rows), V token pair by token pair (both rows across every head).
+template <typename T, bool kGather, bool kStream>
+LMCACHE_AVX512 void move_amx_planes_avx512(const Geometry& g, T* cache, const Segment& run, int64_t h0, int64_t h1,
+                                           T* rows, int64_t plane_stride) {
+  namespace k5 = lmcache_avx512;
+  if constexpr (kGather || sizeof(T) != 2) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const auto [k, v] = head_planes(g, cache, run, h, rows, plane_stride);
+      const int64_t next = h + 1 < h1 ? 2 * g.bs * g.dim : 0;
+      move_avx512<T, kGather, kStream>(kAmx, g, k, 0, next);
+      move_avx512<T, kGather, kStream>(kAmx, g, v, 1, next);
+    }
+  } else {
+    const int64_t bs = g.bs, D = g.dim, W = g.width, Dp = D / 2, o0 = run.first, o1 = run.first + run.len;
+    const int64_t head_stride = 2 * bs * D;  // elements from one head's (block, head) region to the next one's
+    uint16_t* k_region = reinterpret_cast<uint16_t*>(cache) + (run.block * g.heads + h0) * head_stride;
+    uint16_t* v_region = k_region + bs * D;
+    uint16_t* k_rows = reinterpret_cast<uint16_t*>(rows) + h0 * D;  // chunk row o0, head h0, K plane
+    uint16_t* v_rows = k_rows + plane_stride;
+    auto row = [&](uint16_t* base, int64_t o) { return base + (o - o0) * W; };
+    const int64_t span = (h1 - h0) * D * 2;  // bytes of the heads' columns in one chunk row
+    for (int64_t w = o0 / 16 * 16; w < o1; w += 16) {  // K
+      const int lo = static_cast<int>(std::max(o0, w) - w), hi = static_cast<int>(std::min(o1, w + 16) - w);
+      if (w + 16 < o1)  // the next window's rows
+        for (int64_t r = w + 16; r < std::min(o1, w + 32); ++r) k5::prefetch_l2(row(k_rows, r), span);
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        uint32_t* pairs = reinterpret_cast<uint32_t*>(k_region + h * head_stride) + (w / 16) * Dp * 16;
+        uint32_t* src = reinterpret_cast<uint32_t*>(row(k_rows, w + lo) + h * D);
+        for (int64_t k = 0; k < Dp; k += 16) {
+          if (lo == 0 && hi == 16) k5::transpose16x16_u32<kStream>(src + k, W / 2, pairs + k * 16, 16);
+          else k5::transpose16x16_u32<false, k5::kRowsIn>(src + k, W / 2, pairs + k * 16, 16, lo, hi);
+        }
+      }
+    }
+    const int64_t a = std::min(o1, (o0 + 1) / 2 * 2), b = std::max(a, o1 / 2 * 2);
+    auto v_pair = [&](int64_t o, int first, int count) {  // tokens o + first .. of the pair at o (o even)
+      for (int64_t h = 0; h < h1 - h0; ++h)
+        for (int64_t i = 0; i < D / 16; i += 2) {
+          uint16_t* line = v_region + h * head_stride + (i * (bs / 2) + o / 2) * 32;
+          uint16_t* r0 = row(v_rows, o + first) + h * D + i * 16;
+          if (count == 2) k5::amx_v_lines<false, kStream>(line, line + (bs / 2) * 32, r0, r0 + W);
+          else k5::amx_v_lines_one<false>(line, line + (bs / 2) * 32, r0, first == 1);
+        }
+    };
+    if (o0 < a) v_pair(o0 - 1, 1, 1);
+    for (int64_t o = a; o < b; o += 2) {
+      if (o + 4 < b) {
+        k5::prefetch_l2(row(v_rows, o + 4), span);
+        k5::prefetch_l2(row(v_rows, o + 5), span);
+      }
+      v_pair(o, 0, 2);
+    }
+    if (b < o1) v_pair(b, 0, 1);
+  }
+}
+#endif
+
+// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: AVX-512 plane tasks
+// (move_vec_planes_avx512, move_amx_planes_avx512).
 template <typename T, bool kGather>
 void move_run_heads(Isa isa, bool stream, bool planes, int64_t layout, const Geometry& g, T* cache,
                     const Segment& run, int64_t h0, int64_t h1, T* rows, int64_t plane_stride) {
@@ -551,6 +658,11 @@ void move_run_heads(Isa isa, bool stream, bool planes, int64_t layout, const Geo
   if (isa == kAvx512 && planes && layout == kVec) {
     if (stream) move_vec_planes_avx512<T, kGather, true>(g, cache, run, h0, h1, rows, plane_stride);
     else move_vec_planes_avx512<T, kGather, false>(g, cache, run, h0, h1, rows, plane_stride);
+    return;
+  }
+  if (isa == kAvx512 && planes && layout == kAmx && avx512_tiles<T>(layout, g)) {
+    if (stream) move_amx_planes_avx512<T, kGather, true>(g, cache, run, h0, h1, rows, plane_stride);
+    else move_amx_planes_avx512<T, kGather, false>(g, cache, run, h0, h1, rows, plane_stride);
     return;
   }
 #endif
@@ -583,11 +695,32 @@ void parallel_items(int64_t n, int64_t grain, const F& fn, const G& done) {
   });
 }
 
+// One stored chunk of a call: its data and the part of the call's slot mapping it holds ([first, first + n)).
+template <typename T>
+struct ChunkPart {
+  T* base;
+  int64_t first, n;
+};
+
+// A run of one chunk (vec/amx): where its rows start in layer 0 and the chunk's layer and plane strides.
+template <typename T>
+struct Piece {
+  T* rows;  // layer 0, plane 0, the chunk row of seg.pos
+  int64_t layer_stride, plane_stride;
+  Segment seg;
+};
+
+// A token moved one row at a time: the chunk row (layer 0, plane 0), its slot, the chunk's strides.
+template <typename T>
+struct TokenRow {
+  T* row;
+  int64_t slot, layer_stride, plane_stride;
+};
+
 template <typename T, bool kGather>
-void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots,
-         int64_t num_tokens, const Plan& plan) {
+void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& caches, const std::vector<ChunkPart<T>>& parts,
+         const int64_t* slots, Tasks tasks) {
   const int64_t layers = static_cast<int64_t>(caches.size());
-  const int64_t layer_stride = g.planes * num_tokens * g.width, plane_stride = num_tokens * g.width;
   const int64_t heads = g.heads;
   // Non-temporal stores when every line the kernels write is 64-byte aligned: the chunk side (gather) or the
   // cache side (scatter; whole-line tiles start at block offsets that are multiples of 32) is written with
@@ -595,7 +728,8 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // AVX2 (vec): 32-byte alignment of every written piece is enough; measured ~1.3x on AMD Zen 3 (cpu_ops_avx2.h).
   const bool avx2 = isa == kAvx2 && avx2_takes<T>(layout, g);
   const uintptr_t line = avx2 ? 32 : 64;
-  bool aligned = reinterpret_cast<uintptr_t>(chunk) % line == 0;
+  bool aligned = true;
+  for (const auto& p : parts) aligned = aligned && reinterpret_cast<uintptr_t>(p.base) % line == 0;
   for (T* c : caches) aligned = aligned && reinterpret_cast<uintptr_t>(c) % 64 == 0;
   const bool stream = aligned && (g.width * sizeof(T)) % line == 0 &&
                       ((isa == kAvx512 && (g.dim * sizeof(T)) % 64 == 0 && g.bs % 32 == 0 &&
@@ -605,48 +739,112 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // contiguous stretch per plane) are read or written front to back while the cache side is whole lines.
   // The AVX2 gather instead takes (layer, run, head): it reads the head's K^T front to back and writes each
   // chunk row's head segment at once (measured faster than strips on Zen 3).
-  // AVX-512 vec with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
-  // prefetched while the previous head moves.
+  // AVX-512 with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
+  // prefetched while the previous head moves. The runs of every chunk of the call are tasks of one pool.
   const bool per_head = avx2 && kGather && heads > 1;
-  const bool planes = isa == kAvx512 && layout == kVec && current_tasks() == kPlaneTasks;
-  std::vector<Segment> pieces;
-  for (const Segment& r : plan.runs)
-    for (int64_t s0 = r.first; s0 < r.first + r.len;) {
-      const int64_t s1 = heads > 1 && !per_head && !planes ? std::min(r.first + r.len, (s0 / kStrip + 1) * kStrip)
-                                                           : r.first + r.len;
-      pieces.push_back({r.pos + (s0 - r.first), r.block, s0, s1 - s0});
-      s0 = s1;
-    }
+  const bool planes = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g))) &&
+                      tasks == kPlaneTasks;
+  const int64_t min_run = isa == kAvx512 && avx512_tiles<T>(layout, g) ? kMinTileRun : kMinRun;
+  std::vector<Piece<T>> pieces;
+  std::vector<TokenRow<T>> tokens;
+  for (const auto& part : parts) {
+    const int64_t plane_stride = part.n * g.width, layer_stride = g.planes * plane_stride;
+    const int64_t* s = slots + part.first;
+    const Plan plan = make_plan(s, part.n, g.bs, min_run);
+    for (const Segment& r : plan.runs)
+      for (int64_t s0 = r.first; s0 < r.first + r.len;) {
+        const int64_t s1 = heads > 1 && !per_head && !planes ? std::min(r.first + r.len, (s0 / kStrip + 1) * kStrip)
+                                                             : r.first + r.len;
+        const Segment seg{r.pos + (s0 - r.first), r.block, s0, s1 - s0};
+        pieces.push_back({part.base + seg.pos * g.width, layer_stride, plane_stride, seg});
+        s0 = s1;
+      }
+    for (int64_t pos : plan.tokens) tokens.push_back({part.base + pos * g.width, s[pos], layer_stride, plane_stride});
+  }
   const int64_t np = static_cast<int64_t>(pieces.size()), head_tasks = per_head ? heads : 1;
   parallel_items(layers * np * head_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t layer = item / (np * head_tasks);
-      const Segment& seg = pieces[item / head_tasks % np];
-      T* rows = chunk + layer * layer_stride + seg.pos * g.width;
+      const Piece<T>& piece = pieces[item / head_tasks % np];
+      T* rows = piece.rows + layer * piece.layer_stride;
       const int64_t h0 = per_head ? item % head_tasks : 0;
-      move_run_heads<T, kGather>(isa, stream, planes, layout, g, caches[layer], seg, h0, per_head ? h0 + 1 : heads, rows,
-                                 plane_stride);
+      move_run_heads<T, kGather>(isa, stream, planes, layout, g, caches[layer], piece.seg, h0,
+                                 per_head ? h0 + 1 : heads, rows, piece.plane_stride);
     }
   }, [&] {
 #if defined(__SSE2__)
     if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the call returns
 #endif
   });
-  const int64_t ntok = static_cast<int64_t>(plan.tokens.size());
+  const int64_t ntok = static_cast<int64_t>(tokens.size());
   if (ntok) {
     parallel_items(layers * ntok, 16, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t layer = item / ntok, pos = plan.tokens[item % ntok], slot = slots[pos];
+        const int64_t layer = item / ntok;
+        const TokenRow<T>& t = tokens[item % ntok];
         for (int64_t plane = 0; plane < g.planes; ++plane) {
-          T* row = chunk + layer * layer_stride + plane * plane_stride + pos * g.width;
+          T* row = t.row + layer * t.layer_stride + plane * t.plane_stride;
           T* cache = caches[layer];
           for (int64_t h = 0; h < g.heads; ++h)
-            move_token_head<T, kGather>(layout, g, cache + element_offset(layout, g, plane, slot, h, 0), plane,
+            move_token_head<T, kGather>(layout, g, cache + element_offset(layout, g, plane, t.slot, h, 0), plane,
                                         row + h * g.dim);
         }
       }
     }, [] {});
   }
+}
+
+// The task shape for a call (see Tasks): auto is decided by measure_tasks at the first call that needs it.
+template <typename T>
+Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call);
+
+template <typename T>
+Tasks resolve_tasks(Isa isa, int64_t layout, const Geometry& g) {
+  const Tasks tasks = current_tasks();
+  const bool shaped = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)));
+  if (tasks != kAutoTasks || !shaped) return tasks == kAutoTasks ? kStripTasks : tasks;
+  return measure_tasks<T>(isa, layout, g);
+}
+
+// Times a gather and a scatter of whole blocks in each shape on scratch caches and a chunk of the call's geometry
+// (4 layers, ~24 MiB each side: beyond the caches of most CPUs, so the memory's latency shows as in real loads),
+// the best of three interleaved rounds each, and keeps the faster for the process.
+template <typename T>
+Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call) {
+  std::lock_guard<std::mutex> lock(g_tasks_mutex);
+  if (g_tasks.load() != kAutoTasks) return static_cast<Tasks>(g_tasks.load());  // decided meanwhile
+  Geometry g = call;
+  constexpr int64_t kLayers = 4, kTarget = int64_t{24} << 20;
+  const int64_t block_bytes = 2 * g.bs * g.width * static_cast<int64_t>(sizeof(T));  // one block of one layer
+  g.blocks = std::max<int64_t>(2, kTarget / (kLayers * block_bytes));
+  const int64_t elems = g.blocks * 2 * g.bs * g.width, tokens = g.blocks * g.bs;
+  const auto dtype = sizeof(T) == 2 ? torch::kInt16 : torch::kInt32;  // avx512_tiles: 2- or 4-byte elements
+  std::vector<torch::Tensor> keep;
+  std::vector<T*> caches;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    keep.push_back(torch::zeros({elems}, dtype));
+    caches.push_back(static_cast<T*>(keep.back().data_ptr()));
+  }
+  torch::Tensor chunk = torch::zeros({kLayers * elems}, dtype);
+  std::vector<int64_t> slots(static_cast<size_t>(tokens));
+  std::iota(slots.begin(), slots.end(), int64_t{0});
+  const std::vector<ChunkPart<T>> parts{{static_cast<T*>(chunk.data_ptr()), 0, tokens}};
+  double best[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int round = 0; round < 3; ++round)
+    for (const Tasks shape : {kStripTasks, kPlaneTasks}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run<T, true>(isa, layout, g, caches, parts, slots.data(), shape);
+      run<T, false>(isa, layout, g, caches, parts, slots.data(), shape);
+      best[shape] = std::min(best[shape], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  const Tasks chosen = best[kPlaneTasks] < best[kStripTasks] ? kPlaneTasks : kStripTasks;
+  g_tasks_note = std::string("measured on ") + (layout == kVec ? "vec" : "amx") + " blocks of " +
+                 std::to_string(g.heads) + " heads x " + std::to_string(g.dim) + ", " +
+                 std::to_string(g.blocks * block_bytes * kLayers >> 20) + " MiB: strip " +
+                 std::to_string(best[kStripTasks] * 1e3) + " ms, plane " + std::to_string(best[kPlaneTasks] * 1e3) +
+                 " ms (gather + scatter)";
+  g_tasks.store(chosen);
+  return chosen;
 }
 
 // ---- strided views ----------------------------------------------------------------------------------------
@@ -655,18 +853,28 @@ struct Strided {
   int64_t s_block, s_head, s_token;               // element strides of the [B, H, N, C] view
 };
 
-// Tasks: (layer, strip of kStrip tokens); per token every plane and head is one piece of D elements.
+// Tasks: (layer, strip of kStrip tokens of one chunk); per token every plane and head is one piece of D elements.
 template <typename T, bool kGather>
-void run_strided(const Strided& g, const std::vector<T*>& caches, T* chunk, const int64_t* slots, int64_t n) {
+void run_strided(const Strided& g, const std::vector<T*>& caches, const std::vector<ChunkPart<T>>& parts,
+                 const int64_t* slots) {
   const int64_t layers = static_cast<int64_t>(caches.size());
-  const int64_t strips = (n + kStrip - 1) / kStrip, plane_stride = n * g.width;
+  struct Strip {
+    int64_t part, t0, t1;
+  };
+  std::vector<Strip> strips;
+  for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); ++p)
+    for (int64_t t0 = 0; t0 < parts[p].n; t0 += kStrip) strips.push_back({p, t0, std::min(parts[p].n, t0 + kStrip)});
+  const int64_t ns = static_cast<int64_t>(strips.size());
   const size_t piece = static_cast<size_t>(g.dim) * sizeof(T);
-  parallel_items(layers * strips, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(layers * ns, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t layer = item / strips, t0 = (item % strips) * kStrip, t1 = std::min(n, t0 + kStrip);
-      T* layer_chunk = chunk + layer * g.planes * plane_stride;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t slot = slots[t];
+      const int64_t layer = item / ns;
+      const Strip& strip = strips[item % ns];
+      const ChunkPart<T>& part = parts[strip.part];
+      const int64_t plane_stride = part.n * g.width;
+      T* layer_chunk = part.base + layer * g.planes * plane_stride;
+      for (int64_t t = strip.t0; t < strip.t1; ++t) {
+        const int64_t slot = slots[part.first + t];
         if (slot < 0) continue;
         T* token = caches[layer] + (slot / g.bs) * g.s_block + (slot % g.bs) * g.s_token;
         for (int64_t p = 0; p < g.planes; ++p) {
@@ -693,21 +901,32 @@ bool same_layout(const torch::Tensor& a, const torch::Tensor& b) {
          a.device() == b.device();
 }
 
-// The chunk and slot checks every layout shares.
-std::string check_common(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk) {
+// The chunk and slot checks every layout shares: every chunk [layers, planes, T_i, width] like chunk 0 but for
+// T_i, and the slot mapping as long as the chunks' tokens together (chunk i holds the next T_i slots).
+std::string check_common(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                         const std::vector<torch::Tensor>& chunks) {
   if (caches.empty()) return msg("no KV caches given");
+  if (chunks.empty()) return msg("no chunks given");
   for (size_t i = 0; i < caches.size(); ++i)
     if (!caches[i].defined() || !caches[i].device().is_cpu()) return msg("cache ", i, " must be a CPU tensor");
-  if (!chunk.defined() || chunk.dim() != 4 || !chunk.is_contiguous() || !chunk.device().is_cpu())
-    return msg("chunk must be a contiguous CPU tensor [layers, planes, T, width]");
   if (!slots.defined() || slots.dim() != 1 || slots.scalar_type() != torch::kInt64 || !slots.is_contiguous() ||
       !slots.device().is_cpu())
     return msg("slot_mapping must be a contiguous 1-D int64 CPU tensor");
-  if (chunk.size(0) != static_cast<int64_t>(caches.size()) || chunk.size(2) != slots.size(0))
-    return msg("chunk ", chunk.sizes(), " does not match ", caches.size(), " layers and ", slots.size(0), " slots");
-  if (chunk.scalar_type() != caches[0].scalar_type())
-    return msg("chunk dtype ", chunk.scalar_type(), " differs from the caches' dtype ", caches[0].scalar_type());
-  const int64_t item = chunk.element_size();
+  int64_t tokens = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const torch::Tensor& c = chunks[i];
+    if (!c.defined() || c.dim() != 4 || !c.is_contiguous() || !c.device().is_cpu())
+      return msg("chunk ", i, " must be a contiguous CPU tensor [layers, planes, T, width]");
+    if (c.size(0) != static_cast<int64_t>(caches.size()) || c.size(1) != chunks[0].size(1) ||
+        c.size(3) != chunks[0].size(3))
+      return msg("chunk ", i, " ", c.sizes(), " does not match ", caches.size(), " layers and chunk 0 ", chunks[0].sizes());
+    if (c.scalar_type() != caches[0].scalar_type())
+      return msg("chunk ", i, " dtype ", c.scalar_type(), " differs from the caches' dtype ", caches[0].scalar_type());
+    tokens += c.size(2);
+  }
+  if (tokens != slots.size(0))
+    return msg("chunks of ", tokens, " tokens in all: that does not match ", slots.size(0), " slots");
+  const int64_t item = chunks[0].element_size();
   if (item != 1 && item != 2 && item != 4 && item != 8) return msg("unsupported element size ", item);
   return "";
 }
@@ -754,29 +973,37 @@ std::string check_strided(const std::vector<torch::Tensor>& caches, const torch:
 }
 
 template <bool kGather>
-std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, const torch::Tensor& chunk,
-                     int64_t layout, int64_t block_size) {
+std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                     const std::vector<torch::Tensor>& chunks, int64_t layout, int64_t block_size) {
   if (layout != kVec && layout != kAmx && layout != kStrided) return msg("unknown layout code ", layout);
-  std::string error = check_common(caches, slots, chunk);
+  std::string error = check_common(caches, slots, chunks);
   if (!error.empty()) return error;
   Geometry g{};
   Strided sg{};
-  error = layout == kStrided ? check_strided(caches, chunk, block_size, sg) : check_packed(caches, chunk, layout, block_size, g);
+  error = layout == kStrided ? check_strided(caches, chunks[0], block_size, sg)
+                             : check_packed(caches, chunks[0], layout, block_size, g);
   if (!error.empty()) return error;
   error = check_slots(slots, layout == kStrided ? sg.blocks * sg.bs : g.blocks * g.bs);
   if (!error.empty()) return error;
 
   const int64_t* s = static_cast<const int64_t*>(slots.data_ptr());
-  const int64_t n = slots.size(0);
   auto go = [&](auto tag) {
     using T = decltype(tag);
     std::vector<T*> ptrs;
     for (const auto& c : caches) ptrs.push_back(static_cast<T*>(c.data_ptr()));
-    T* out = static_cast<T*>(chunk.data_ptr());
-    if (layout == kStrided) run_strided<T, kGather>(sg, ptrs, out, s, n);
-    else run<T, kGather>(current_isa(), layout, g, ptrs, out, s, n, make_plan(s, n, g.bs));
+    std::vector<ChunkPart<T>> parts;
+    int64_t first = 0;
+    for (const auto& c : chunks) {
+      parts.push_back({static_cast<T*>(c.data_ptr()), first, c.size(2)});
+      first += c.size(2);
+    }
+    if (layout == kStrided) run_strided<T, kGather>(sg, ptrs, parts, s);
+    else {
+      const Isa isa = current_isa();
+      run<T, kGather>(isa, layout, g, ptrs, parts, s, resolve_tasks<T>(isa, layout, g));
+    }
   };
-  switch (chunk.element_size()) {
+  switch (chunks[0].element_size()) {
     case 1: go(uint8_t{}); break;
     case 2: go(uint16_t{}); break;
     case 4: go(uint32_t{}); break;
@@ -788,12 +1015,22 @@ std::string dispatch(const std::vector<torch::Tensor>& caches, const torch::Tens
 // The bindings: nothing escapes as a C++ exception (an allocation failure in the plan is reported too).
 std::string gather(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots, torch::Tensor out,
                    int64_t layout, int64_t block_size) {
-  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, out, layout, block_size); });
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, {out}, layout, block_size); });
 }
 
 std::string scatter(const torch::Tensor& chunk, const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
                     int64_t layout, int64_t block_size) {
-  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunk, layout, block_size); });
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, {chunk}, layout, block_size); });
+}
+
+std::string gather_chunks(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                          const std::vector<torch::Tensor>& outs, int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<true>(caches, slots, outs, layout, block_size); });
+}
+
+std::string scatter_chunks(const std::vector<torch::Tensor>& chunks, const std::vector<torch::Tensor>& caches,
+                           const torch::Tensor& slots, int64_t layout, int64_t block_size) {
+  return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunks, layout, block_size); });
 }
 
 // Raises a c10::Error on purpose: run in a child process, it tells whether C++ exceptions from this extension
@@ -810,12 +1047,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter", &scatter, "chunk [L, planes, T, width] -> paged caches; returns '' or an error message",
         py::arg("chunk"), py::arg("caches"), py::arg("slots"), py::arg("layout"), py::arg("block_size"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_chunks", &gather_chunks, "paged caches -> chunks [L, planes, T_i, width], chunk i taking the next "
+        "T_i slots; returns '' or an error message", py::arg("caches"), py::arg("slots"), py::arg("outs"),
+        py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_chunks", &scatter_chunks, "chunks [L, planes, T_i, width] -> paged caches, chunk i holding the "
+        "next T_i slots; returns '' or an error message", py::arg("chunks"), py::arg("caches"), py::arg("slots"),
+        py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kIsaNames[current_isa()]); },
         "kernel set in use: avx512, avx2, sse2 or scalar");
   m.def("set_isa", &set_isa_checked, "use kernel set auto|avx512|avx2|sse2|scalar (tests and benchmarks); returns '' "
         "or why not", py::arg("name"));
   m.def("tasks", [] { return std::string(kTaskNames[current_tasks()]); },
-        "how the AVX-512 vec kernels split a call: strip or plane");
+        "how the AVX-512 vec and amx kernels split a call: strip, plane, or auto (measured at the first such call)");
+  m.def("tasks_note", &tasks_note, "how the task shape was chosen: what auto measured, 'set', or '' (not yet)");
   m.def("set_tasks", &set_tasks_checked, "use task shape auto|strip|plane (tests and benchmarks); returns '' or why "
         "not", py::arg("name"));
   m.def("throw_for_diagnosis", &throw_for_diagnosis, "raises a C++ exception (toolchain check, run in a child)");

@@ -36,8 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "medium"], help="local model recipe")
     parser.add_argument("--prompt-tokens", type=int, default=1400,
-                        help="prompt length; by default one where vLLM's prefix cache and our 256-token chunks "
-                             "serve a repeat the same number of tokens")
+                        help="prompt length; by default one where vLLM's prefix cache and our chunks (the "
+                             "default: vLLM's block size) serve a repeat the same number of tokens")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (logs, disk tier)")
     args = parser.parse_args()
 
@@ -49,8 +49,8 @@ def main() -> None:
     llm_kwargs = {"dtype": "bfloat16", "max_model_len": max(2048, args.prompt_tokens + 64),
                   "enforce_eager": True, "seed": 0, "enable_prefix_caching": False,
                   "max_num_batched_tokens": 8192, "disable_log_stats": False}
-    cfg = connector_config({"chunk_size": 256, "max_local_cpu_size": 1, "local_disk": str(disk),
-                            "max_local_disk_size": 2})
+    # The defaults a user gets: no chunk_size, so chunks of vLLM's block size (docs/CONFIG.md).
+    cfg = connector_config({"max_local_cpu_size": 1, "local_disk": str(disk), "max_local_disk_size": 2})
 
     def job(name, phases, with_connector, hash_seed=0, **kwargs):
         print(f"running: {name} ...", flush=True)
@@ -87,8 +87,8 @@ def main() -> None:
                   "not the cache.")
         if not hit_splits_agree(len(prompt)):
             print(f"note: with {len(prompt)} prompt tokens vLLM's prefix cache (128-token blocks) and our "
-                  f"256-token chunks serve\ndifferent numbers of tokens, so hits have no like-with-like "
-                  f"reference ('n/a').")
+                  f"128-token chunks serve\ndifferent numbers of tokens (a multiple of 128: vLLM computes the "
+                  f"last token, its last block with it), so hits have no like-with-like reference ('n/a').")
         print(f"\nstored on disk: {sum(1 for _ in disk.iterdir()) if disk.exists() else 0} chunk files in {disk}")
     finally:
         if args.keep:

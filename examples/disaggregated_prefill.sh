@@ -11,7 +11,7 @@ PY=${PY:-.venv/bin/python}
 MODEL=${1:-$($PY -m lmcache_vllm.integration.vllm.testing.local_model --size tiny)}
 P_PORT=${P_PORT:-8100}; D_PORT=${D_PORT:-8200}; PROXY_PORT=${PROXY_PORT:-8000}
 CONNECTOR='{"kv_connector":"LMCacheConnector","kv_connector_module_path":"lmcache_vllm.integration.vllm",'
-CONNECTOR+='"kv_role":"kv_both","kv_connector_extra_config":{"chunk_size":256,"extra_config":{"pd_host":"127.0.0.1"}}}'
+CONNECTOR+='"kv_role":"kv_both","kv_connector_extra_config":{"extra_config":{"pd_host":"127.0.0.1"}}}'
 ARGS=(--host 127.0.0.1 --dtype bfloat16 --max-model-len 4096 --enforce-eager --kv-transfer-config "$CONNECTOR")
 
 PIDS=()

@@ -8,7 +8,12 @@ choice per device type is logged once. `LMCACHE_VLLM_OPS=torch` (or `set_mode("t
 Extension calls (all layers of a chunk in one call; slots < 0 skipped), through `transfer`:
   ext.gather(caches: list[Tensor], slots: LongTensor[T], out: Tensor[L, planes, T, width], op_code, block_size)
   ext.scatter(chunk: Tensor[L, planes, T, width], caches: list[Tensor], slots, op_code, block_size)
-Both return "" on success and an error message otherwise: no C++ exception ever crosses into Python, so a
+and every chunk of a load or a save in one call, through `transfer_chunks` (chunk i takes the next T_i slots):
+  ext.gather_chunks(caches, slots: LongTensor[sum T_i], outs: list[Tensor[L, planes, T_i, width]], op_code,
+                    block_size)
+  ext.scatter_chunks(chunks: list[Tensor[L, planes, T_i, width]], caches, slots, op_code, block_size)
+(an extension without them, the CUDA one, gets one `transfer` per chunk).
+All return "" on success and an error message otherwise: no C++ exception ever crosses into Python, so a
 bad input cannot crash the process even where exceptions do not unwind across the extension boundary.
 op_code: 0 cpu vec, 1 cpu amx, 4 strided `[B, H, N, C]` views (see `lmcache_vllm.layouts`). An extension
 built from older sources (`ABI` below `ABI_VERSION`) is ignored with a warning: rebuild it.
@@ -110,7 +115,39 @@ def transfer(ext: ModuleType, gather: bool, caches: Sequence[torch.Tensor], slot
     return error
 
 
+def transfer_chunks(ext: ModuleType, gather: bool, caches: Sequence[torch.Tensor], slots: torch.Tensor,
+                    chunks: Sequence[torch.Tensor], op_code: int, block_size: int) -> str:
+    """`transfer` of several chunks, chunk i holding the next `chunks[i].shape[2]` slots of `slots`: one call
+    where the extension has the multi-chunk entry points, else one `transfer` per chunk."""
+    if len(chunks) == 1:
+        return transfer(ext, gather, caches, slots, chunks[0], op_code, block_size)
+    if hasattr(ext, "gather_chunks"):
+        error: str = (ext.gather_chunks(caches, slots, chunks, op_code, block_size) if gather
+                      else ext.scatter_chunks(chunks, caches, slots, op_code, block_size))
+        return error
+    first = 0
+    for chunk in chunks:
+        count = chunk.shape[2]
+        error = transfer(ext, gather, caches, slots[first:first + count], chunk, op_code, block_size)
+        if error:
+            return error
+        first += count
+    return ""
+
+
+def log_cpu_tasks(ext: ModuleType) -> None:
+    """Logs once how the compiled CPU op splits its calls (`_cpu_ops.tasks`) and why."""
+    key = "cpu_tasks"
+    if key in _logged:
+        return
+    _logged.add(key)
+    note = ext.tasks_note() or "not chosen yet"
+    logger.info("compiled CPU op: %s kernels, task shape %s (%s)", ext.isa(), ext.tasks(), note)
+
+
 def describe() -> dict[str, object]:
     """What is available, for logs and `lmcache-vllm` diagnostics."""
-    return {"mode": _mode, "cpu_ext": cpu_ext() is not None,
+    cpu = cpu_ext()
+    tasks = f"{cpu.tasks()} ({cpu.tasks_note()})" if cpu is not None and hasattr(cpu, "tasks_note") else None
+    return {"mode": _mode, "cpu_ext": cpu is not None, "cpu_tasks": tasks,
             "cuda_ext": _load("_cuda_ops") is not None, "cuda_available": torch.cuda.is_available()}

@@ -35,6 +35,7 @@ without a group (every single-group model) reads exactly as before groups existe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import struct
@@ -210,10 +211,8 @@ class CacheKey:
         (fingerprint "-" when none; the group part only for a chunk of one KV cache group of a multi-group
         model); model and dtype percent-escaped, so the string holds no '/', '@' or ':' of its own and is
         safe as a file name or Redis key."""
-        group = f"@g-{self.group}" if self.group else ""
-        return (f"{quote(self.model, safe='')}@{self.fingerprint or '-'}@tp{self.world_size}.{self.rank}"
-                f"@pp{self.pp_size}.{self.pp_rank}@{quote(self.kv_dtype, safe='')}@v{self.fmt_version}"
-                f"{group}@{self.digest.hex()}")
+        return _key_prefix(self.model, self.fingerprint, self.world_size, self.rank, self.pp_size, self.pp_rank,
+                           self.kv_dtype, self.fmt_version, self.group) + self.digest.hex()
 
     @classmethod
     def from_str(cls, s: str) -> "CacheKey":
@@ -233,6 +232,16 @@ class CacheKey:
 
     def __str__(self) -> str:
         return self.to_str()
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_prefix(model: str, fingerprint: str, world_size: int, rank: int, pp_size: int, pp_rank: int,
+                kv_dtype: str, fmt_version: int, group: str) -> str:
+    """Everything of `CacheKey.to_str` before the digest: the same for every chunk of one engine, so built once
+    (every lookup, load and save names its chunks by these strings)."""
+    group_part = f"@g-{group}" if group else ""
+    return (f"{quote(model, safe='')}@{fingerprint or '-'}@tp{world_size}.{rank}@pp{pp_size}.{pp_rank}"
+            f"@{quote(kv_dtype, safe='')}@v{fmt_version}{group_part}@")
 
 
 def _is_hex(text: str) -> bool:

@@ -27,7 +27,12 @@ def problems_of(overrides=None, environ=None):
 def test_defaults():
     cfg = load_config(environ={})
     assert cfg == LMCacheConfig()
-    assert cfg.chunk_size == 256 and cfg.local_cpu and cfg.local_disk is None and cfg.remote_url is None
+    # chunk_size: not set, so the connector takes vLLM's block size (integration/vllm/chunk_size.py)
+    assert cfg.chunk_size is None and cfg.local_cpu and cfg.local_disk is None and cfg.remote_url is None
+    with pytest.raises(ValueError, match="not set"):
+        _ = cfg.resolved_chunk_size
+    assert load_config({"chunk_size": 256}, environ={}).resolved_chunk_size == 256  # LMCache's default, if set
+    assert load_config({"chunk_size": None}, environ={}).chunk_size is None
     assert cfg.max_local_cpu_bytes == 5 * (1 << 30) and cfg.max_local_disk_bytes == 0
     assert cfg.pre_caching_hash_algorithm == tokens.DEFAULT_HASH_ALGORITHM
     assert cfg.extra_config == ExtraConfig() and cfg.extra_config.async_save is True

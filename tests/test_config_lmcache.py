@@ -150,7 +150,7 @@ def test_obsolete_keys_load_with_one_warning_each(tmp_path):
     path.write_text("chunk_size: 256\nlocal_device: cpu\nuse_experimental: true\npipelined_backend: false\n"
                     "lmcache_instance_id: pod-7\npy_enable_gc: false\nnuma_mode: auto\n")
     report = inspect(LMCACHE_CONFIG_FILE=str(path))
-    assert report.problems == [] and report.config == LMCacheConfig()
+    assert report.problems == [] and report.config == LMCacheConfig(chunk_size=256)
     assert [w.split(" ")[0] for w in report.warnings] == ["local_device", "use_experimental",
                                                           "pipelined_backend", "lmcache_instance_id",
                                                           "py_enable_gc", "numa_mode"]

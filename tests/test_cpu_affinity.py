@@ -90,8 +90,27 @@ def test_background_cpus_setting(monkeypatch):
 
     assert background_cpus_for(None, "inherit") is None  # type: ignore[arg-type]
     assert background_cpus_for(None, "3,5-6") == {3, 5, 6}  # type: ignore[arg-type]
-    # auto under an explicit binding or none: where vLLM put the process (another instance may compute on
-    # the cores this one leaves out)
+    # auto under an explicit binding or none, engine in its own processes (a server): where vLLM put the process
+    # (another instance may compute on the cores this one leaves out, its idle workers polling there)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     for binding in ("0", "0|1", "nobind"):
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", binding)
         assert background_cpus_for(None, "auto") is None  # type: ignore[arg-type]
+
+
+def test_background_cpus_of_an_in_process_engine_bound_explicitly(monkeypatch):
+    """`LLM()` in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly: auto takes the host's CPUs
+    the binding leaves out, so our saves do not run on the model's core (nothing else of vLLM polls there)."""
+    pytest.importorskip("vllm")
+    from lmcache_vllm.integration.vllm import threads
+    from lmcache_vllm.integration.vllm.threads import background_cpus_for
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(threads, "_host_cpus", lambda: {0, 1, 2, 3})  # the cgroup's cpuset of a 4-CPU host
+    for binding, expected in (("0", {1, 2, 3}), ("0|2", {1, 3}), ("1-3", {0}), ("0-3", None), ("nobind", None),
+                              ("0,x", None)):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", binding)
+        assert background_cpus_for(None, "auto") == expected, binding  # type: ignore[arg-type]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert background_cpus_for(None, "inherit") is None  # type: ignore[arg-type]
+    assert background_cpus_for(None, "2") == {2}  # type: ignore[arg-type]

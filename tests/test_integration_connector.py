@@ -2,9 +2,11 @@
 `VllmConfig` (the local test model) and the worker-role `LMCacheConnector` built with a `KVCacheConfig`,
 `register_kv_caches` with the views vLLM's own `allocate_kv_cache` builds for a FLASH_ATTN-like spec
 (LBNHC, the CUDA default, also with kernel block splitting) and an MLA spec, then a save and a load through
-the connector's step methods; and the class hooks vLLM 0.33 asks (sleep mode, piecewise CUDA graphs,
-unregister / restore)."""
+the connector's step methods; the chunk size both halves take when none is set (vLLM's block size on its CPU
+backend); and the class hooks vLLM 0.33 asks (sleep mode, piecewise CUDA graphs, unregister / restore)."""
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from lmcache_vllm.integration.vllm import LMCacheConnector  # noqa: E402
+from lmcache_vllm.integration.vllm.chunk_size import default_chunk_size  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.local_model import build_model  # noqa: E402
 from lmcache_vllm.layouts import StridedKVLayout  # noqa: E402
@@ -97,6 +100,36 @@ def test_connector_registers_vllms_views_and_round_trips(kind, layout, kernel):
                 assert torch.equal(per_block[old].view(torch.uint8), per_block[new].view(torch.uint8))
     finally:
         connector.shutdown()
+
+
+@pytest.mark.parametrize("extra,expected", [({}, BLOCK), ({"chunk_size": 256}, 256), ({"chunk_size": BLOCK}, BLOCK)])
+def test_chunk_size_not_set_is_vllms_block_size_in_both_halves(extra, expected, caplog):
+    """No chunk_size: the scheduler half and the worker half both take vLLM's block size (on this CPU backend),
+    and the scheduler logs the choice once; a chunk_size that is set is honoured."""
+    vllm_config = vllm_setup("LBNHC", {"chunk_size": None} if not extra else extra)
+    kv_cache_config, kv_caches = allocate(vllm_config, SPECS["flash"](), "LBNHC")
+    with caplog.at_level(logging.INFO, logger="lmcache_vllm.integration.vllm.chunk_size"):
+        scheduler = LMCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        worker = LMCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        worker.register_kv_caches(kv_caches)
+        assert scheduler._scheduler.chunk_size == worker._worker.engine.keys.chunk_size == expected
+        chosen = [r.getMessage() for r in caplog.records if "chunk_size" in r.getMessage()]
+        assert len(chosen) == (0 if extra else 1), chosen
+        if not extra:
+            assert f"chunk_size {BLOCK} (not set): vLLM's block size on its CPU backend" in chosen[0]
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_chunk_size_not_set_on_a_gpu_is_a_multiple_of_the_block_size_near_256():
+    assert [default_chunk_size(b, on_cpu=False)[0] for b in (16, 32, 64, 96, 128, 256, 512)] == \
+        [256, 256, 256, 288, 256, 256, 512]
+    assert [default_chunk_size(b, on_cpu=True)[0] for b in (16, 128, 544)] == [16, 128, 544]
+    assert "not measured on a GPU" in default_chunk_size(16, on_cpu=False)[1]
+    with pytest.raises(ValueError):
+        default_chunk_size(0, on_cpu=True)
 
 
 def test_vllm_033_hooks():

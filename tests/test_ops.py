@@ -215,6 +215,68 @@ def test_every_cpu_kernel_set_matches_torch(restore_isa, isa, kind, dtype, head_
     assert_compiled_matches_torch(layout, caches, slots, via_op, gen)
 
 
+def _split(total: int, sizes: list[int]) -> list[int]:
+    """`sizes` cut to add up to `total`: the last takes what is left (a partial last chunk)."""
+    out, left = [], total
+    for size in sizes:
+        if left <= 0:
+            break
+        out.append(min(size, left))
+        left -= out[-1]
+    if left > 0:
+        out.append(left)
+    return out
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("isa", _kernel_sets())
+@pytest.mark.parametrize("kind,head_size,block_size,slots_kind,aligned", [
+    ("vec", 128, 32, "midblock", True), ("vec", 64, 128, "holes", False), ("vec", 64, 16, "whole_blocks", True),
+    ("amx", 128, 32, "midblock", True), ("amx", 64, 32, "holes", False),
+    ("lbnhc", 64, 16, "holes", True), ("mla", 64, 16, "midblock", True),
+])
+def test_several_chunks_in_one_call_match_one_call_per_chunk(restore_isa, isa, kind, head_size, block_size,
+                                                             slots_kind, aligned):
+    """`gather_chunks` / `scatter_chunks` (a load's or a save's every chunk in one compiled call, chunk i
+    taking the next T_i slots; chunks of different lengths, misaligned chunk memory) give the bits of one
+    call per chunk and of the torch fallback, both directions, layerwise too."""
+    _use(isa)
+    gen = torch.Generator().manual_seed(head_size * 3 + block_size)
+    blocks = 8
+    caches = cpu_caches(kind, 3, blocks, 2 if kind != "mla" else 1, head_size, block_size, torch.bfloat16, gen)
+    if slots_kind == "midblock":
+        slots = torch.arange(block_size + 5, 4 * block_size + 21)
+    else:
+        slots = slot_mapping(slots_kind, blocks, block_size, gen)
+    layout = detect_layout(caches, **hint(kind))
+    sizes = _split(slots.numel(), [block_size + 3, 2 * block_size, block_size])
+    alloc = (lambda shape: torch.zeros(shape, dtype=torch.bfloat16)) if aligned else \
+        (lambda shape: _misaligned_like(shape, torch.bfloat16))
+    many = [alloc(layout.chunk_shape(n)) for n in sizes]
+    layout.gather_chunks(caches, slots, many)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for chunk, start, n in zip(many, starts, sizes):
+        one = torch.zeros(layout.chunk_shape(n), dtype=torch.bfloat16)
+        with ops.forced_torch():
+            layout.gather(caches, slots[start:start + n], one)
+        assert torch.equal(bits(chunk), bits(one))
+    sources = [torch.randn(c.shape, generator=gen).to(torch.bfloat16) for c in many]
+    into_many, into_each = random_like(caches, gen), None
+    into_each = random_like(into_many, None)
+    layout.scatter_chunks(sources, into_many, slots)
+    with ops.forced_torch():
+        layout.scatter_chunks(sources, into_each, slots)
+    assert torch.equal(raw_bytes(into_many[0]), raw_bytes(into_each[0]))
+    for a, b in zip(into_many, into_each):
+        assert torch.equal(bits(a), bits(b))
+    # Layer by layer (use_layerwise) into fresh chunks: the same bits as the whole call.
+    by_layer = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
+    for layer, cache in enumerate(caches):
+        layout.gather_layer_chunks(layer, cache, slots, [c[layer] for c in by_layer])
+    for a, b in zip(by_layer, many):
+        assert torch.equal(bits(a), bits(b))
+
+
 @needs_cpu_ext
 @pytest.mark.parametrize("env,query,forced", [("LMCACHE_VLLM_CPU_ISA", "isa", ("sse2", "scalar")),
                                               ("LMCACHE_VLLM_CPU_TASKS", "tasks", ("strip", "plane"))])
@@ -231,9 +293,32 @@ def test_kernel_choices_switch_and_refuse_unknown_names(restore_isa):
     assert "unknown isa" in cpu_ext.set_isa("neon")
     assert cpu_ext.set_isa("auto") == "" and cpu_ext.isa() == _isas()[-1]
     assert "unknown task shape" in cpu_ext.set_tasks("rows")
-    vendor = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    assert cpu_ext.set_tasks("auto") == ""
-    assert cpu_ext.tasks() == ("plane" if "AuthenticAMD" in vendor else "strip")
+    assert cpu_ext.set_tasks("plane") == "" and (cpu_ext.tasks(), cpu_ext.tasks_note()) == ("plane", "set")
+    assert cpu_ext.set_tasks("auto") == "" and (cpu_ext.tasks(), cpu_ext.tasks_note()) == ("auto", "")
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("kind", ["vec", "amx"])
+def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, kind):
+    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels, on
+    scratch buffers of that call's geometry, and keeps the faster for the process: no table of CPU kinds. The
+    connector makes that first call when it binds the layout at start-up (`bind_kernel`), not in a request."""
+    if "avx512" not in _isas():
+        pytest.skip("the task shapes are those of the AVX-512 kernels")
+    assert cpu_ext.set_isa("avx512") == "" and cpu_ext.set_tasks("auto") == ""
+    gen = torch.Generator().manual_seed(3)
+    caches = cpu_caches(kind, 2, 4, 2, 64, 32, torch.bfloat16, gen)
+    layout = detect_layout(caches, **hint(kind))
+    layout.bind_kernel(caches)
+    chosen, note = cpu_ext.tasks(), cpu_ext.tasks_note()
+    assert chosen in ("strip", "plane"), chosen
+    assert "strip" in note and "plane" in note and " ms" in note, note
+    times = dict(part.split()[:2] for part in note.split(": ", 1)[1].split(", ")[:2])  # {"strip": "1.2", ...}
+    assert float(times[chosen]) <= float(times["plane" if chosen == "strip" else "strip"])
+    slots = torch.arange(5, 60)  # later calls keep that choice and give the torch path's bits
+    via_op = torch.zeros(layout.chunk_shape(slots.numel()), dtype=torch.bfloat16)
+    assert_compiled_matches_torch(layout, caches, slots, via_op, gen)
+    assert (cpu_ext.tasks(), cpu_ext.tasks_note()) == (chosen, note)
 
 
 def _vllm_cpu_op():
@@ -317,6 +402,14 @@ cases = [
                                       torch.empty(1, 2, 3, 64, dtype=bf), 4, 16)),
     ("strided cache", lambda: ext.gather([torch.zeros(64, dtype=bf)], ok, vout[:1], 4, 16)),  # a raw buffer
     ("CPU", lambda: ext.gather(packed, ok, out.to("meta"), 0, 16)),
+    # several chunks in one call: each checked, their tokens together the slot mapping's
+    ("no chunks", lambda: ext.gather_chunks(packed, ok[:0], [], 0, 16)),
+    ("does not match", lambda: ext.gather_chunks(packed, ok, [out, out], 0, 16)),
+    ("does not match", lambda: ext.scatter_chunks([out[:, :, :2].contiguous()] * 2, packed, ok, 0, 16)),
+    ("chunk 1", lambda: ext.gather_chunks(packed, torch.arange(6), [out, torch.empty(1, 2, 3, 64, dtype=bf)], 0, 16)),
+    ("chunk 1 dtype", lambda: ext.gather_chunks(packed, torch.arange(6), [out, out.float()], 0, 16)),
+    ("chunk 1 must be", lambda: ext.scatter_chunks([out, out.transpose(2, 3)], packed, torch.arange(6), 0, 16)),
+    ("beyond", lambda: ext.scatter_chunks([out, out], packed, torch.tensor([0, 1, 2, 3, 4, 64]), 0, 16)),
 ]
 for expected, call in cases:
     error = call()

@@ -67,7 +67,9 @@ class ExtraConfig:
     background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
                                            "lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
                                            "beside its compute cores when it binds them itself "
-                                           "(VLLM_CPU_OMP_THREADS_BIND=auto), else where vLLM put the process; "
+                                           "(VLLM_CPU_OMP_THREADS_BIND=auto); for an in-process engine (LLM() with "
+                                           "VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly, the CPUs its "
+                                           "binding leaves out; else where vLLM put the process; "
                                            "'inherit' = where vLLM put the process; or a CPU list such as '2,4-7' "
                                            "(with an explicit binding: cores no vLLM instance computes on)",
                                    check=_cpu_choice)

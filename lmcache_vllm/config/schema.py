@@ -42,8 +42,10 @@ def _ports_problem(ports: list[int]) -> Optional[str]:
 class LMCacheConfig:
     """Configuration of lmcache-vllm; key names and units (sizes in GiB) are LMCache's."""
 
-    chunk_size: int = setting(
-        256, "tokens per stored chunk (any value; independent of vLLM's block size)",
+    chunk_size: Optional[int] = setting(
+        None, "tokens per stored chunk, any value; null (not set): vLLM's block size on its CPU backend (a repeat "
+              "loads what vLLM's own prefix cache would), on a GPU the multiple of the block size nearest 256 "
+              "(LMCache's default); chunk keys depend on it (see 'Chunk size and vLLM's block size')",
         check=at_least(1, "an integer"))
     local_cpu: bool = setting(True, "L1 host-memory tier (false: the arena only stages transfers)")
     max_local_cpu_size: float = setting(
@@ -117,6 +119,14 @@ class LMCacheConfig:
 
     def __repr__(self) -> str:
         return redacted_repr(self)
+
+    @property
+    def resolved_chunk_size(self) -> int:
+        """`chunk_size` as set, or as the connector chose it from vLLM's block size when it was not
+        (`integration/vllm/chunk_size.py`); until then there is none, an error."""
+        if self.chunk_size is None:
+            raise ValueError("chunk_size is not set and was not chosen from vLLM's block size yet")
+        return self.chunk_size
 
     @property
     def max_local_cpu_bytes(self) -> int:

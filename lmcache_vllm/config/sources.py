@@ -40,7 +40,8 @@ OWN_ENV_VARS = {
     CONFIG_FILE_ENV: "the YAML configuration file",
     "LMCACHE_VLLM_OPS": "auto (default) or torch: the compiled gather/scatter ops or the torch fallback",
     "LMCACHE_VLLM_CPU_ISA": "forces the compiled CPU op's kernels (avx512, avx2, sse2, scalar)",
-    "LMCACHE_VLLM_CPU_TASKS": "how the AVX-512 `vec` kernels split a call (auto, strip, plane; auto: plane on AMD)",
+    "LMCACHE_VLLM_CPU_TASKS": "how the AVX-512 `vec` and `amx` kernels split a call (auto, strip, plane; auto: "
+                              "both timed at start-up, the faster kept)",
     "LMCACHE_VLLM_SDIST_INDEX": "package index the tests take vLLM's source distribution from (toy proxy)",
     "LMCACHE_VLLM_MODEL_CACHE": "where the tests' local models are built",
     "LMCACHE_VLLM_CHUNK_MAC_KEY": "secret of the keyed MAC of stored chunks (as extra_config.chunk_mac_key)",

@@ -1,6 +1,7 @@
 """The cache engine: tokens -> chunk keys, vLLM's paged KV <-> stored chunks, over one `StorageManager`.
 
-`CacheEngine` (`cache_engine.py`) stores, looks up and loads the KV of one set of attention layers;
+`CacheEngine` (`cache_engine.py`) stores, looks up and loads the KV of one set of attention layers (a lookup's
+answer and holds: `holds.py`);
 `GroupedEngine` (`grouped.py`) puts the KV cache groups of a hybrid model (`kv_groups.py`) over one storage,
 with a `StateEngine` (`state.py`) for each Mamba / linear-attention group. No vLLM imports.
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmcache_vllm.engine.cache_engine import CacheEngine, HeldPrefix, PrefixHit
+    from lmcache_vllm.engine.cache_engine import CacheEngine
+    from lmcache_vllm.engine.holds import HeldPrefix, PrefixHit
 
 __all__ = ["CacheEngine", "HeldPrefix", "PrefixHit"]
 

@@ -11,22 +11,24 @@ arena range is never reused while a copy may still read it. On the CPU both happ
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Sequence
+from typing import Generator, Sequence
 
+import numpy as np
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.engine.holds import HeldPrefix
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import MemoryObj, release_all
 from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.manager import StorageManager
-from lmcache_vllm.storage.prefetch import PrefetchHandle
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.tokens import CacheKey, KeyBuilder, TokenIds
 
@@ -42,54 +44,6 @@ class _Chunk:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Where a looked-up run of chunks is: tokens [start, end) found (end 0: nothing found), and the tier
-    holding each of its chunks (`Tier.LOCAL_CPU` for L1, then the lower tiers' names)."""
-
-    start: int
-    end: int
-    chunk_tiers: tuple[str, ...]
-
-
-@dataclass
-class HeldPrefix:
-    """What a lookup promised one request: the chunks of its tokens from `start` on that some tier holds,
-    held (L1 ones at once, lower-tier ones once read into L1) until a `retrieve(..., owner=self.owner)`
-    takes them or `release()` (the request went away or is done)."""
-
-    handle: PrefetchHandle
-    start: int  # first token of the first chunk looked up (chunk-aligned)
-    ends: list[int]  # end token of each chunk looked up
-
-    @property
-    def owner(self) -> int | None:
-        return self.handle.owner
-
-    def located(self, timeout: float | None = 0.0) -> PrefixHit | None:
-        """The hit, once every tier answered (waiting at most `timeout` seconds); None before."""
-        found = self.handle.located(timeout)
-        if found is None:
-            return None
-        n = found.num_chunks
-        return PrefixHit(self.start, self.ends[n - 1] if n else 0, tuple(found.tiers))
-
-    def ready(self) -> bool:
-        """Whether every chunk located is read and held (nothing left to wait for)."""
-        return self.handle.done()
-
-    def wait(self, timeout: float | None) -> None:
-        """Waits (at most `timeout` s) until every chunk located is read and held."""
-        self.handle.wait(timeout)
-
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """`callback()` once the reads are over (at once if they are)."""
-        self.handle.add_done_callback(callback)
-
-    def release(self) -> None:
-        self.handle.cancel()
 
 
 @dataclass
@@ -141,6 +95,12 @@ class CacheEngine:
         self._releases = DeferredRelease()  # chunks read by copies still in flight on a GPU
 
     # ------------------------------------------------------------------ helpers
+    def _release_after(self, kv_caches: Sequence[torch.Tensor], objs: list[MemoryObj]) -> None:
+        """Drops our references on `objs` once the copies enqueued so far have passed (at once on the CPU),
+        all in one call (one allocator lock)."""
+        if objs:
+            self._releases.add(Fence.record(_device(kv_caches)), [functools.partial(release_all, list(objs))])
+
     def _count(self, what: str, tokens: int) -> None:
         if self._group:
             metrics.inc(f"group_{what}_tokens", tokens, group=self._group)
@@ -158,7 +118,11 @@ class CacheEngine:
         partial = self.config.save_unfull_chunk if include_partial is None else include_partial
         chunks = self._chunks(tokens, partial, extra)
         self._note_for_events(tokens, chunks)
-        chunks = [c for c in chunks if bool(mask[c.start:c.end].all())]
+        if not chunks:
+            return []
+        # Tokens outside the mask before each position, once: a chunk is stored when it has none.
+        outside = np.concatenate(([0], np.cumsum(~mask.numpy(), dtype=np.int64)))
+        chunks = [c for c in chunks if outside[c.end] == outside[c.start]]
         if not chunks:
             return []
         present = self.storage.contains([c.key for c in chunks])
@@ -184,17 +148,20 @@ class CacheEngine:
         # Only chunks holding tokens the caller wants are read: those before the mask's first token
         # (already in the caller's cache) are skipped, not fetched and thrown away.
         chunks = self._chunks(tokens, True, extra)
-        wanted = [i for i, c in enumerate(chunks) if bool(mask[c.start:c.end].any())]
-        if wanted:
-            self._note_for_events(tokens, chunks[:wanted[-1] + 1])  # read from below, it lands in L1
-        chunks = chunks[wanted[0]:wanted[-1] + 1] if wanted else []
         plan = _RetrievePlan()
-        if not chunks:
+        wanted = torch.nonzero(mask[:chunks[-1].end] if chunks else mask[:0]).flatten()
+        if not wanted.numel():
             return plan
+        cs = self.keys.chunk_size  # every chunk but the last is whole: chunk i starts at i * cs
+        first, last = int(wanted[0]) // cs, int(wanted[-1]) // cs
+        self._note_for_events(tokens, chunks[:last + 1])  # read from below, it lands in L1
+        chunks = chunks[first:last + 1]
         objs = self.storage.get([c.key for c in chunks], owner, lower_tiers, expected=self._specs(chunks))
+        whole = self.layout.chunk_shape(self.keys.chunk_size)
+        dtype = self.layout.geometry.dtype
         for chunk, obj in zip(chunks, objs):
-            expected = tuple(self.layout.chunk_shape(chunk.num_tokens))
-            if tuple(obj.tensor.shape) != expected or obj.tensor.dtype != self.layout.geometry.dtype:
+            expected = whole if chunk.num_tokens == self.keys.chunk_size else self.layout.chunk_shape(chunk.num_tokens)
+            if obj.shape != expected or obj.dtype != dtype:
                 # Same key, different geometry: not this key's chunk. A miss, and dropped from L1 (else it
                 # stays the most recently used entry and every request with this prefix fails on it again).
                 metrics.inc("shape_mismatches")
@@ -220,13 +187,20 @@ class CacheEngine:
             parent = chunk.key.digest
 
     @staticmethod
-    def _masked_slots(slot_mapping: torch.Tensor, mask: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
-        slots = slot_mapping[chunk.start:chunk.end]
-        chunk_mask = mask[chunk.start:chunk.end]
-        if bool(chunk_mask.all()):
+    def _masked_slots(slot_mapping: torch.Tensor, mask: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The slots of tokens [start, end), -1 for those outside `mask` (the caller has their KV)."""
+        slots = slot_mapping[start:end]
+        span_mask = mask[start:end]
+        if bool(span_mask.all()):
             return slots
-        # Tokens the caller already has (mask False) keep their KV: give them no slot.
-        return torch.where(chunk_mask, slots, torch.full_like(slots, -1))
+        return torch.where(span_mask, slots, torch.full_like(slots, -1))
+
+    @staticmethod
+    def _slots_of(slot_mapping: torch.Tensor, chunks: list[_Chunk]) -> torch.Tensor:
+        """The slots of `chunks`' tokens, chunk after chunk (one slice when they follow each other)."""
+        if chunks[-1].end - chunks[0].start == sum(c.num_tokens for c in chunks):
+            return slot_mapping[chunks[0].start:chunks[-1].end]
+        return torch.cat([slot_mapping[c.start:c.end] for c in chunks])
 
     # ------------------------------------------------------------------ public API
     def lookup(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> int:
@@ -282,13 +256,15 @@ class CacheEngine:
                 if obj is None:
                     break
                 gathered.append((chunk, obj))
-                self.layout.gather(kv_caches, slot_mapping[chunk.start:chunk.end], obj.tensor)
+            if gathered:  # every chunk in one compiled call
+                self.layout.gather_chunks(kv_caches, self._slots_of(slot_mapping, [c for c, _ in gathered]),
+                                          [obj.tensor for _, obj in gathered])
             Fence.record(_device(kv_caches)).wait()  # the chunks hold the KV now (a GPU enqueued the gathers)
             for chunk, obj in gathered:
                 self.storage.put(chunk.key, obj)
                 stored += chunk.num_tokens
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for _, obj in gathered])
+            self._release_after(kv_caches, [obj for _, obj in gathered])
         self._count("stored", stored)
         return stored
 
@@ -305,11 +281,13 @@ class CacheEngine:
         self._releases.reap()
         plan = self._plan_retrieve(tokens, mask, extra, owner, lower_tiers)
         try:
-            for chunk, obj in zip(plan.chunks, plan.objs):
-                self.layout.scatter(obj.tensor, kv_caches, self._masked_slots(slot_mapping, mask, chunk))
-                loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
+            if plan.chunks:  # consecutive chunks, every one in one compiled call
+                start, end = plan.chunks[0].start, plan.chunks[-1].end
+                self.layout.scatter_chunks([obj.tensor for obj in plan.objs], kv_caches,
+                                           self._masked_slots(slot_mapping, mask, start, end))
+                loaded[start:end] = mask[start:end]
         finally:  # the chunks go back once the (GPU) stream has read them
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
+            self._release_after(kv_caches, plan.objs)
         self._count("loaded", int(loaded.sum()))
         return loaded
 
@@ -333,10 +311,10 @@ class CacheEngine:
             chunks.append(chunk)
             objs.append(obj)
         try:
+            slots = self._slots_of(slot_mapping, chunks) if chunks else slot_mapping[:0]
             for layer in range(self.layout.num_layers):
-                for chunk, obj in zip(chunks, objs):
-                    self.layout.gather_layer(layer, kv_caches[layer], slot_mapping[chunk.start:chunk.end],
-                                             obj.tensor[layer])
+                if chunks:
+                    self.layout.gather_layer_chunks(layer, kv_caches[layer], slots, [obj.tensor[layer] for obj in objs])
                 yield layer
             Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
             stored = 0
@@ -346,7 +324,7 @@ class CacheEngine:
             self._count("stored", stored)
             return stored
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in objs])
+            self._release_after(kv_caches, objs)
 
     def retrieve_layer(self, tokens: TokenIds, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                        mask: torch.Tensor | None = None, extra: ExtraKeys | None = None, owner: int | None = None,
@@ -359,18 +337,20 @@ class CacheEngine:
         plan = self._plan_retrieve(tokens, mask, extra, owner, lower_tiers)
         try:
             loaded = torch.zeros(num_tokens, dtype=torch.bool)
-            slots: list[torch.Tensor] = []
-            for chunk in plan.chunks:
-                loaded[chunk.start:chunk.end] = mask[chunk.start:chunk.end]
-                slots.append(self._masked_slots(slot_mapping, mask, chunk))
+            slots = slot_mapping[:0]
+            if plan.chunks:
+                start, end = plan.chunks[0].start, plan.chunks[-1].end
+                loaded[start:end] = mask[start:end]
+                slots = self._masked_slots(slot_mapping, mask, start, end)
             self._count("loaded", int(loaded.sum()))
             yield loaded
             for layer in range(self.layout.num_layers):
-                for obj, chunk_slots in zip(plan.objs, slots):
-                    self.layout.scatter_layer(obj.tensor[layer], layer, kv_caches[layer], chunk_slots)
+                if plan.objs:
+                    self.layout.scatter_layer_chunks([obj.tensor[layer] for obj in plan.objs], layer,
+                                                     kv_caches[layer], slots)
                 yield layer
         finally:
-            self._releases.add(Fence.record(_device(kv_caches)), [obj.ref_down for obj in plan.objs])
+            self._release_after(kv_caches, plan.objs)
 
     def wait_written(self, tokens: TokenIds, timeout: float, extra: ExtraKeys | None = None) -> bool:
         """Waits (at most `timeout` s) until the chunks of `tokens` are written to every lower tier

@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.engine.cache_engine import CacheEngine, HeldPrefix, PrefixHit
+from lmcache_vllm.engine.cache_engine import CacheEngine
+from lmcache_vllm.engine.holds import HeldPrefix, PrefixHit
 from lmcache_vllm.engine.kv_groups import GroupKind, GroupSlots, KVGroup
 from lmcache_vllm.engine.state import StateEngine
 from lmcache_vllm.extra_keys import ExtraKeys

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.engine.cache_engine import HeldPrefix
+from lmcache_vllm.engine.holds import HeldPrefix
 from lmcache_vllm.extra_keys import ExtraKeys
 from lmcache_vllm.layouts.state import StatePageLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence

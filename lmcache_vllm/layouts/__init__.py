@@ -15,9 +15,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from lmcache_vllm.layouts.base import KVGeometry, PagedKVLayout, SlotPlan, plan_slots
+from lmcache_vllm.layouts.base import KVGeometry, PagedKVLayout
 from lmcache_vllm.layouts.cpu import CpuAmxLayout, CpuVecLayout
 from lmcache_vllm.layouts.errors import LayoutError, UnsupportedLayoutError
+from lmcache_vllm.layouts.slots import SlotPlan, plan_slots
 from lmcache_vllm.layouts.strided import OP_STRIDED, StridedKVLayout, ViewStrides
 
 __all__ = ["KVGeometry", "LayoutError", "PagedKVLayout", "SlotPlan", "UnsupportedLayoutError", "plan_slots",

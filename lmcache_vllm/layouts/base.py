@@ -27,6 +27,7 @@ import torch
 
 from lmcache_vllm import ops
 from lmcache_vllm.layouts.errors import LayoutError
+from lmcache_vllm.layouts.slots import SlotPlan, plan_slots
 from lmcache_vllm.layouts.streams import copy_to_host, valid_runs
 
 if TYPE_CHECKING:
@@ -57,59 +58,12 @@ class KVGeometry:
         return self.num_blocks * self.block_size
 
 
-@dataclass(frozen=True)
-class SlotPlan:
-    """How one slot mapping splits into whole-block runs and leftover tokens.
-
-    `block_runs` holds (chunk_pos, first_block, num_blocks): chunk rows chunk_pos.. map to whole blocks
-    first_block.. in order, so they can move with block-level copies. `token_pos` / `token_slots` are the
-    remaining valid (slot >= 0) tokens, moved one row at a time by index.
-    """
-
-    num_tokens: int
-    block_runs: tuple[tuple[int, int, int], ...]
-    token_pos: torch.Tensor
-    token_slots: torch.Tensor
-    num_valid: int = 0  # slots >= 0
-
-    @property
-    def has_holes(self) -> bool:
-        """Whether some rows have no valid slot (slot < 0): a gather must leave them as they are."""
-        return self.num_valid < self.num_tokens
-
-
-def plan_slots(slots: torch.Tensor, block_size: int) -> SlotPlan:
-    """Finds whole blocks in order inside `slots` (vectorised; a Python loop only over blocks)."""
-    num_tokens = slots.numel()
-    covered = torch.zeros(num_tokens, dtype=torch.bool, device=slots.device)
-    runs: list[tuple[int, int, int]] = []
-    if num_tokens >= block_size:
-        span = num_tokens - block_size + 1
-        steps = torch.zeros(num_tokens, dtype=torch.int64, device=slots.device)
-        if num_tokens > 1:
-            steps[1:] = ((slots[1:] - slots[:-1]) == 1).cumsum(0)
-        # A block starts at p when its first slot is block-aligned and the next block_size-1 steps are +1.
-        whole = ((steps[block_size - 1:] - steps[:span]) == block_size - 1) \
-            & (slots[:span] >= 0) & (slots[:span] % block_size == 0)
-        starts = whole.nonzero().flatten()
-        if starts.numel():
-            rows = (starts[:, None] + torch.arange(block_size, device=slots.device)).flatten()
-            covered[rows] = True
-            for pos, slot in zip(starts.tolist(), slots[starts].tolist()):
-                block = slot // block_size
-                if runs and runs[-1][0] + runs[-1][2] * block_size == pos and runs[-1][1] + runs[-1][2] == block:
-                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-                else:
-                    runs.append((pos, block, 1))
-    token_pos = ((~covered) & (slots >= 0)).nonzero().flatten()
-    return SlotPlan(num_tokens, tuple(runs), token_pos, slots[token_pos], int((slots >= 0).sum()))
-
-
 class PagedKVLayout(ABC):
     """Adapter between one engine's paged KV cache layout and the stored chunk format."""
 
     name: str = "abstract"
     op_code: int | None = None  # layout id understood by the compiled ops; None = torch only
+    cpu_task_shapes = False  # the compiled CPU op splits this layout's calls by a task shape it measures
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
@@ -162,36 +116,59 @@ class PagedKVLayout(ABC):
 
         On a GPU the copy is only enqueued on the current stream: `out` (host memory) holds the KV once
         that stream has passed this point (`streams.Fence`)."""
-        caches = self._check_caches(kv_caches)
-        slots = self._check_slots(slot_mapping)
-        self._check_chunk(out, slots.numel(), self.num_layers, "out")
-        self._transfer(True, caches, slots, out)
+        self.gather_chunks(kv_caches, slot_mapping, [out])
 
     def scatter(self, chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         """Copies every layer of `chunk` into the slots of the paged caches (on a GPU: enqueued on the
         current stream; `chunk` must stay untouched until the stream has passed this point)."""
+        self.scatter_chunks([chunk], kv_caches, slot_mapping)
+
+    def gather_chunks(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                      outs: Sequence[torch.Tensor]) -> None:
+        """`gather` into several chunks in one call: `outs[i]` (`chunk_shape(T_i)`) takes the next T_i slots
+        of `slot_mapping` (whose length is the sum of the T_i): a save's chunks, one compiled call."""
         caches = self._check_caches(kv_caches)
         slots = self._check_slots(slot_mapping)
-        self._check_chunk(chunk, slots.numel(), self.num_layers, "chunk")
-        self._transfer(False, caches, slots, chunk)
+        self._check_chunks(outs, slots.numel(), self.num_layers, "out")
+        self._transfer(True, caches, slots, list(outs))
+
+    def scatter_chunks(self, chunks: Sequence[torch.Tensor], kv_caches: Sequence[torch.Tensor],
+                       slot_mapping: torch.Tensor) -> None:
+        """`scatter` of several chunks in one call, chunk i holding the next T_i slots of `slot_mapping`: a
+        load's chunks, one compiled call."""
+        caches = self._check_caches(kv_caches)
+        slots = self._check_slots(slot_mapping)
+        self._check_chunks(chunks, slots.numel(), self.num_layers, "chunk")
+        self._transfer(False, caches, slots, list(chunks))
 
     def gather_layer(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      out_layer: torch.Tensor) -> None:
         """One layer of `gather`: out_layer is `chunk_shape(T)[1:]`."""
-        self._check_layer_index(layer)
-        cache = self._check_caches([kv_cache])[0]
-        slots = self._check_slots(slot_mapping)
-        self._check_chunk(out_layer.unsqueeze(0), slots.numel(), 1, "out_layer")
-        self._transfer(True, [cache], slots, out_layer.unsqueeze(0))
+        self.gather_layer_chunks(layer, kv_cache, slot_mapping, [out_layer])
 
     def scatter_layer(self, chunk_layer: torch.Tensor, layer: int, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
         """One layer of `scatter`: chunk_layer is `chunk_shape(T)[1:]`."""
+        self.scatter_layer_chunks([chunk_layer], layer, kv_cache, slot_mapping)
+
+    def gather_layer_chunks(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            out_layers: Sequence[torch.Tensor]) -> None:
+        """One layer of `gather_chunks`: each out_layer is `chunk_shape(T_i)[1:]`."""
+        self._layer_transfer(True, layer, kv_cache, slot_mapping, out_layers, "out_layer")
+
+    def scatter_layer_chunks(self, chunk_layers: Sequence[torch.Tensor], layer: int, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+        """One layer of `scatter_chunks`: each chunk_layer is `chunk_shape(T_i)[1:]`."""
+        self._layer_transfer(False, layer, kv_cache, slot_mapping, chunk_layers, "chunk_layer")
+
+    def _layer_transfer(self, gather: bool, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        chunk_layers: Sequence[torch.Tensor], what: str) -> None:
         self._check_layer_index(layer)
         cache = self._check_caches([kv_cache])[0]
         slots = self._check_slots(slot_mapping)
-        self._check_chunk(chunk_layer.unsqueeze(0), slots.numel(), 1, "chunk_layer")
-        self._transfer(False, [cache], slots, chunk_layer.unsqueeze(0))
+        chunks = [chunk.unsqueeze(0) for chunk in chunk_layers]
+        self._check_chunks(chunks, slots.numel(), 1, what)
+        self._transfer(gather, [cache], slots, chunks)
 
     # ---- which path moves the data ---------------------------------------------------------------
     def bind_kernel(self, kv_caches: Sequence[torch.Tensor], policy: str = "auto",
@@ -207,7 +184,21 @@ class PagedKVLayout(ABC):
         with self._bind_lock:
             verdict, chosen = choose_kernel(self, caches, policy, ext)
             self._bound = (caches[0].device, chosen, verdict) if verdict.bound else None
+        if ext is None and caches[0].device.type == "cpu":
+            self._choose_cpu_tasks(caches)
         return verdict
+
+    def _choose_cpu_tasks(self, caches: list[torch.Tensor]) -> None:
+        """The compiled CPU op picks its task shape by timing both on its first call (`_cpu_ops.tasks`): that
+        call is made here, at start-up (a gather of one block into a scratch chunk), not in a request's step."""
+        ext = ops.compiled_for(caches[0].device, self.op_code) if self.cpu_task_shapes else None
+        if ext is None or not hasattr(ext, "tasks_note"):
+            return
+        if ext.tasks() == "auto":
+            bs = self.geometry.block_size
+            out = torch.empty(self.chunk_shape(bs), dtype=self.geometry.dtype)
+            self.gather(caches, torch.arange(bs), out)
+        ops.log_cpu_tasks(ext)
 
     def _kernel_for(self, caches: list[torch.Tensor]) -> Any:
         """The compiled op for this copy, or None for the torch path."""
@@ -225,25 +216,44 @@ class PagedKVLayout(ABC):
         return ops.compiled_for(device, self.op_code)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor, chunk: torch.Tensor) -> None:
+    def _transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                  chunks: list[torch.Tensor]) -> None:
         device = caches[0].device
         ext = self._kernel_for(caches)
-        if ext is not None and chunk.device.type == "cpu" and device.type != "cpu" and not chunk.is_pinned():
+        if ext is not None and device.type != "cpu" and any(c.device.type == "cpu" and not c.is_pinned()
+                                                           for c in chunks):
             ext = None  # the kernels reach host memory only through a pinned chunk's device alias
         if ext is not None:
-            self.kernel_transfer(ext, gather, caches, slots, chunk)
+            self.kernel_transfer_chunks(ext, gather, caches, slots, chunks)
         else:
-            self.torch_transfer(gather, caches, slots, chunk)
+            self.torch_transfer_chunks(gather, caches, slots, chunks)
 
     def kernel_transfer(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
                         chunk: torch.Tensor) -> None:
         """One gather (caches -> chunk) or scatter of checked inputs through the compiled op `ext`."""
+        self.kernel_transfer_chunks(ext, gather, caches, slots, [chunk])
+
+    def kernel_transfer_chunks(self, ext: Any, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                               chunks: list[torch.Tensor]) -> None:
+        """`kernel_transfer` of several chunks (chunk i: the next T_i slots), one call where the op allows."""
         if self.op_code is None:
             raise LayoutError(f"{self.name}: no compiled op moves this layout")
         _, device_slots = self._plan_for(slots, caches[0].device, need_plan=False)
-        error = ops.transfer(ext, gather, caches, device_slots, chunk, self.op_code, self.geometry.block_size)
+        error = ops.transfer_chunks(ext, gather, caches, device_slots, chunks, self.op_code, self.geometry.block_size)
         if error:
             raise LayoutError(f"{self.name}: {error}")
+
+    def torch_transfer_chunks(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
+                              chunks: list[torch.Tensor]) -> None:
+        """`torch_transfer` of each chunk in turn (chunk i: the next T_i slots)."""
+        if len(chunks) == 1:
+            self.torch_transfer(gather, caches, slots, chunks[0])
+            return
+        first = 0
+        for chunk in chunks:
+            count = chunk.shape[2]
+            self.torch_transfer(gather, caches, slots[first:first + count], chunk)
+            first += count
 
     def torch_transfer(self, gather: bool, caches: list[torch.Tensor], slots: torch.Tensor,
                        chunk: torch.Tensor) -> None:
@@ -335,10 +345,27 @@ class PagedKVLayout(ABC):
                               f"{self.geometry.num_slots} slots")
         return slots
 
-    def _check_chunk(self, chunk: torch.Tensor, num_tokens: int, num_layers: int, what: str) -> None:
-        expected = (num_layers,) + self.chunk_shape(num_tokens)[1:]
-        if tuple(chunk.shape) != expected or chunk.dtype != self.geometry.dtype:
-            raise LayoutError(f"{self.name}: {what} is {tuple(chunk.shape)} {chunk.dtype}, "
-                              f"expected {expected} {self.geometry.dtype}")
-        if not chunk.is_contiguous():
-            raise LayoutError(f"{self.name}: {what} must be contiguous")
+    def _check_chunks(self, chunks: Sequence[torch.Tensor], num_tokens: int, num_layers: int, what: str) -> None:
+        """Each chunk is `[num_layers, planes, T_i, width]` of the layout's dtype, contiguous, and the T_i add up
+        to the slot mapping's `num_tokens`."""
+        if not chunks:
+            raise LayoutError(f"{self.name}: no {what} given")
+        g = self.geometry
+        total = 0
+        for chunk in chunks:
+            shape = chunk.shape
+            if len(shape) != 4 or shape[0] != num_layers or shape[1] != g.kv_planes or shape[3] != g.token_width \
+                    or chunk.dtype != g.dtype:
+                expected = (num_layers, g.kv_planes, "T", g.token_width)
+                raise LayoutError(f"{self.name}: {what} is {tuple(shape)} {chunk.dtype}, "
+                                  f"expected {expected} {g.dtype}")
+            if not chunk.is_contiguous():
+                raise LayoutError(f"{self.name}: {what} must be contiguous")
+            total += shape[2]
+        if total != num_tokens:
+            if len(chunks) == 1:
+                expected_one = (num_layers,) + self.chunk_shape(num_tokens)[1:]
+                raise LayoutError(f"{self.name}: {what} is {tuple(chunks[0].shape)} {chunks[0].dtype}, "
+                                  f"expected {expected_one} {g.dtype}")
+            raise LayoutError(f"{self.name}: the {len(chunks)} {what}s hold {total} tokens, the slot mapping "
+                              f"has {num_tokens}")

@@ -22,6 +22,8 @@ from lmcache_vllm.layouts.errors import LayoutError
 class _CpuAttnLayout(PagedKVLayout):
     """Shared shape handling of the CPU backend's `[blocks, heads, block_size, 2*head_size]` tensor."""
 
+    cpu_task_shapes = True  # the AVX-512 vec / amx kernels: strip or plane tasks, `auto` timed at binding
+
     def expected_cache_shape(self) -> tuple[int, ...]:
         g = self.geometry
         return (g.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)

@@ -320,23 +320,49 @@ class HostAllocator:
 
     def _ref_down(self, obj: MemoryObj) -> None:
         with self._cond:
-            self._check_live(obj, "ref_down (double free?)")
-            obj.ref_count -= 1
-            if obj.ref_count > 0:
-                if obj.ref_count == 1 and obj._evictor is not None:
-                    self._cond.notify_all()  # it may have just become evictable
-                return
-            obj._freed = True
-            obj._tensor = None
-            self._lru.pop(id(obj), None)
-            obj._evictor = None
-            if obj.pin_count:
-                self._pinned_bytes -= obj.reserved
-                obj.pin_count = 0
-            self._used -= obj.reserved
-            self._num_live -= 1
-            self._release(obj.offset, obj.reserved)
-            self._cond.notify_all()
+            self._ref_down_locked(obj)
+
+    def _ref_down_locked(self, obj: MemoryObj) -> None:
+        self._check_live(obj, "ref_down (double free?)")
+        obj.ref_count -= 1
+        if obj.ref_count > 0:
+            if obj.ref_count == 1 and obj._evictor is not None:
+                self._cond.notify_all()  # it may have just become evictable
+            return
+        obj._freed = True
+        obj._tensor = None
+        self._lru.pop(id(obj), None)
+        obj._evictor = None
+        if obj.pin_count:
+            self._pinned_bytes -= obj.reserved
+            obj.pin_count = 0
+        self._used -= obj.reserved
+        self._num_live -= 1
+        self._release(obj.offset, obj.reserved)
+        self._cond.notify_all()
+
+    # A lookup's or a load's chunks, all at once: one lock, not one per chunk (these run in vLLM's step).
+    def ref_up_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`ref_up` of each object (of this allocator)."""
+        with self._cond:
+            for obj in objs:
+                self._check_live(obj, "ref_up")
+            for obj in objs:
+                obj.ref_count += 1
+
+    def ref_down_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`ref_down` of each object (of this allocator)."""
+        with self._cond:
+            for obj in objs:
+                self._ref_down_locked(obj)
+
+    def touch_all(self, objs: Sequence[MemoryObj]) -> None:
+        """`touch` of each object (of this allocator), in order: the last is the most recently used."""
+        with self._cond:
+            lru = self._lru
+            for obj in objs:
+                if id(obj) in lru:
+                    lru.move_to_end(id(obj))
 
     def _pin(self, obj: MemoryObj) -> None:
         with self._cond:

@@ -100,7 +100,8 @@ def describe_config(config: LMCacheConfig, *, layout: object = None, world_size:
              "reset_lower_tiers": extra.reset_lower_tiers}
     on = [k for k, v in flags.items() if v]
     off = [k for k, v in flags.items() if not v]
-    parts = [f"chunk_size={config.chunk_size}", " + ".join(tiers)]
+    chunk = config.chunk_size if config.chunk_size is not None else "from vLLM's block size"
+    parts = [f"chunk_size={chunk}", " + ".join(tiers)]
     if layout is not None:
         parts.append(f"layout {layout}")
     parts.append(f"tp={world_size}")

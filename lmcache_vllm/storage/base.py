@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
-from lmcache_vllm.memory import AllocFn, MemoryObj
+from lmcache_vllm.memory import AllocFn, MemoryObj, release_all
 
 if TYPE_CHECKING:
     from lmcache_vllm.config import LMCacheConfig
@@ -96,9 +96,7 @@ class StorageBackend(abc.ABC):
 
 
 def release_objs(objs: Iterable[Optional[MemoryObj]]) -> None:
-    for obj in objs:
-        if obj is not None:
-            obj.ref_down()
+    release_all(objs)  # one lock per allocator
 
 
 def _release_task_result(task: asyncio.Future[Any]) -> None:

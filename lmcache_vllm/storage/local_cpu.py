@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj
+from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj, touch_all
 from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.tier import Tier
@@ -66,6 +66,26 @@ class LocalCPUBackend(StorageBackend):
             obj.ref_up()
         obj.touch()
         return obj
+
+    def contains_many_sync(self, keys: Sequence[str]) -> list[bool]:
+        """`contains_sync` of each key, under one lock."""
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def get_prefix_sync(self, keys: Sequence[str]) -> list[MemoryObj]:
+        """`get_sync` of the leading keys up to the first one not indexed, under one lock (a lookup's or a
+        load's chunks)."""
+        out: list[MemoryObj] = []
+        with self._lock:
+            index = self._index
+            for key in keys:
+                obj = index.get(key)
+                if obj is None:
+                    break
+                out.append(obj)
+            self.allocator.ref_up_all(out)  # under the index's lock: none can be evicted before
+        touch_all(out)
+        return out
 
     def put_sync(self, key: str, obj: MemoryObj) -> bool:
         """Indexes `obj` under `key` with the index's own reference; an existing entry is kept."""

@@ -44,7 +44,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend
+from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
@@ -209,7 +209,7 @@ class StorageManager(LowerTierReads):
     def contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """Whether each key is in L1 memory: no I/O, so the store path never waits on a slow tier (a
         write-through that finds a key present in a lower tier skips it there)."""
-        return [self.l1.contains_sync(_key_str(k)) for k in keys]
+        return self.l1.contains_many_sync([_key_str(k) for k in keys])
 
     def contains_prefix(self, keys: Sequence[KeyLike]) -> int:
         return len(self.prefix_tiers(keys))
@@ -240,8 +240,8 @@ class StorageManager(LowerTierReads):
         `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier). `expected`:
         the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`)."""
         ks = [_key_str(k) for k in keys]
-        out: list[MemoryObj] = []
-        for k in ks:
+        out = self._take_held(ks, owner) if owner is not None else []
+        for k in ks[len(out):]:
             obj = self._holds.take(k, owner)  # a prefetch's hold becomes the caller's reference
             if obj is None:
                 obj = self.l1.get_sync(k)
@@ -265,6 +265,21 @@ class StorageManager(LowerTierReads):
             return out
         return out + lower
 
+    def _take_held(self, ks: list[str], owner: int) -> list[MemoryObj]:
+        """The objects `owner`'s prefetch holds for the leading keys, its holds passed to the caller (one lock
+        for the whole load; L1 fills a gap); where neither has a key the run ends (holds taken past it are
+        released)."""
+        taken = self._holds.take_many(ks, owner)
+        out: list[MemoryObj] = []
+        for i, (k, obj) in enumerate(zip(ks, taken)):
+            if obj is None:
+                obj = self.l1.get_sync(k)
+            if obj is None:
+                release_objs(taken[i + 1:])
+                break
+            out.append(obj)
+        return out
+
     def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None,
                  expected: Optional[Sequence[ChunkSpec]] = None) -> PrefetchHandle:
         """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
@@ -277,15 +292,17 @@ class StorageManager(LowerTierReads):
             return PrefetchHandle(None, 0)
         owner = self._holds.new_owner()
         release = functools.partial(self._holds.release_owner, owner)
-        n = 0
-        for k in ks:
-            obj = self.l1.get_sync(k)
-            if obj is None:  # not in L1 (or no L1) but held by another prefetch: share its object
-                obj = self._holds.share(k)
-            if obj is None:
+        found: list[MemoryObj] = []
+        while len(found) < len(ks):
+            found += self.l1.get_prefix_sync(ks[len(found):])  # one lock per run of L1 chunks
+            if len(found) == len(ks):
                 break
-            self._holds.hold(owner, k, obj)
-            n += 1
+            shared = self._holds.share(ks[len(found)])  # not in L1 (or no L1) but held by another prefetch
+            if shared is None:
+                break
+            found.append(shared)
+        n = len(found)
+        self._holds.hold_many(owner, ks[:n], found)
         # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
         self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not (self.lower or peer):

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lmcache_vllm.memory import MemoryObj
+from lmcache_vllm.memory import MemoryObj, touch_all
 from lmcache_vllm.storage.base import release_objs
 from lmcache_vllm.storage.tier import Tier
 
@@ -47,6 +47,35 @@ class PrefetchHolds:
                 self._by_key.setdefault(key, []).append((owner, obj))
                 return
         obj.ref_down()
+
+    def hold_many(self, owner: int, keys: list[str], objs: list[MemoryObj]) -> None:
+        """`hold` of each (key, object) pair, under one lock."""
+        with self._lock:
+            held = self._owners.get(owner)
+            if held is not None:
+                held.extend(keys)
+                for key, obj in zip(keys, objs):
+                    self._by_key.setdefault(key, []).append((owner, obj))
+                return
+        release_objs(objs)
+
+    def take_many(self, keys: list[str], owner: int) -> list[Optional[MemoryObj]]:
+        """`take(key, owner)` of each key, under one lock (a load taking its lookup's holds over)."""
+        out: list[Optional[MemoryObj]] = []
+        with self._lock:
+            held = self._owners.get(owner)
+            for key in keys:
+                entries = self._by_key.get(key, [])
+                index = next((i for i, (o, _) in enumerate(entries) if o == owner), -1)
+                if held is None or index < 0:
+                    out.append(None)
+                    continue
+                out.append(entries.pop(index)[1])
+                if not entries:
+                    del self._by_key[key]
+                held.remove(key)
+        touch_all(out)
+        return out
 
     def take(self, key: str, owner: Optional[int] = None) -> Optional[MemoryObj]:
         """One held object for `key` (held by `owner` when given), its reference passed to the caller;

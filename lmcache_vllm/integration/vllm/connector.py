@@ -3,7 +3,7 @@
     --kv-transfer-config '{"kv_connector": "LMCacheConnector",
                            "kv_connector_module_path": "lmcache_vllm.integration.vllm",
                            "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/kv"}}'
+                           "kv_connector_extra_config": {"local_disk": "/tmp/kv"}}'
 
 `kv_connector_extra_config` takes the keys of the YAML config (`load_config(overrides=...)`). Roles:
 kv_both stores and loads, kv_producer only stores, kv_consumer only loads. Disaggregated prefill with vLLM's
@@ -35,10 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.cpu_affinity import set_background_cpus
+from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
 from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
@@ -99,7 +101,7 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
     caches = list(kv_caches.values())
-    hasher = ChunkHasher(config.chunk_size, config.pre_caching_hash_algorithm)
+    hasher = ChunkHasher(config.resolved_chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
     identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
                               mac_key_id=mac.key_id if mac else None)
@@ -124,7 +126,7 @@ def pd_trust(config: LMCacheConfig, vllm_config: "VllmConfig", tp_size: int) -> 
     scope = ""
     if mac is not None:  # signed params name the model's keys: a signature for another model does not pass
         identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_key_id=mac.key_id)
-        scope = pd_scope(identity.fingerprint, tp_size, config.chunk_size)
+        scope = pd_scope(identity.fingerprint, tp_size, config.resolved_chunk_size)
     return PeerTrust(config.extra_config.pd_peers, mac, scope)
 
 
@@ -135,7 +137,10 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.config = load_config(overrides=dict(transfer.kv_connector_extra_config or {}))
+        # chunk_size not set: vLLM's block size on its CPU backend (chunk_size.py), chosen alike by both halves.
+        self.config = with_chunk_size(load_config(overrides=dict(transfer.kv_connector_extra_config or {})),
+                                      vllm_config.cache_config.block_size, current_platform.is_cpu(),
+                                      log=role == KVConnectorRole.SCHEDULER)
         check_vllm_version(vllm_version, allow_untested=self.config.extra_config.allow_untested_vllm,
                            warn=role == KVConnectorRole.SCHEDULER)
         composition = find_composition(vllm_config)
@@ -171,7 +176,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             client = LookupClient(sizes.lookup_addresses(instance_id), timeout_ms=self.config.lookup_timeout_ms)
             pd = PDScheduler(engine_id=instance_id, host=advertised_host(self.config.extra_config.pd_host),
-                             chunk_size=self.config.chunk_size, tp_size=world_size,
+                             chunk_size=self.config.resolved_chunk_size, tp_size=world_size,
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
                              can_save=self.can_save, trust=pd_trust(self.config, vllm_config, world_size),
                              hold_s=self.config.extra_config.pd_hold_secs, grouped=plan.multi,
@@ -181,7 +186,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     logger.warning(warning)
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
                                             can_load=self.can_load, can_save=self.can_save, pd=pd,
-                                            groups=SchedulerGroups(plan.groups, self.config.chunk_size)
+                                            groups=SchedulerGroups(plan.groups, self.config.resolved_chunk_size)
                                             if plan.multi else None)
         else:
             layout = worker_layout(vllm_config)
@@ -218,7 +223,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 identity=InstanceIdentity(instance_id, layout.tp_rank, layout.tp_size))
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
-                    kv_role, self.config.chunk_size, block_size, world_size)
+                    kv_role, self.config.resolved_chunk_size, block_size, world_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -314,7 +319,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # The worker metadata, not get_kv_connector_kv_cache_events: MultiConnector forwards only this.
         if self._worker is None or not self.config.enable_kv_events:
             return None
-        return take_worker_events(self.config.chunk_size)
+        return take_worker_events(self.config.resolved_chunk_size)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self._events is not None:

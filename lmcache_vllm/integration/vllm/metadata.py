@@ -30,9 +30,9 @@ def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> 
     if needed > len(block_ids):
         raise ValueError(f"{num_tokens} tokens need {needed} blocks of {block_size}, "
                          f"request has {len(block_ids)}")
-    positions = torch.arange(num_tokens, dtype=torch.long)
     blocks = torch.as_tensor(block_ids[:needed], dtype=torch.long)
-    return blocks[positions // block_size] * block_size + positions % block_size
+    # Each block's slots in a row (no division per token: this runs in the step, per load and save).
+    return (blocks[:, None] * block_size + torch.arange(block_size, dtype=torch.long)).flatten()[:num_tokens]
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class SchedulerHalf:
         kv_transfer_params (None: they are ignored); `groups`: a model with several KV cache groups."""
         if block_size <= 0:
             raise ValueError(f"block_size ({block_size}) must be positive")
-        self.chunk_size = chunk_size = config.chunk_size
+        self.chunk_size = chunk_size = config.resolved_chunk_size
         self.block_size = block_size
         self.lookup_client = lookup_client
         self.can_load = can_load

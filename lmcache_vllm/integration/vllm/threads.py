@@ -70,17 +70,24 @@ def background_cpus_for(vllm_config: "VllmConfig", setting: str) -> frozenset[in
     """Where this worker's background threads should run (`extra_config.background_cpus`): 'inherit' -> None
     (where vLLM put the process); a CPU list -> those CPUs; 'auto' -> the CPUs vLLM's own automatic binding
     (VLLM_CPU_OMP_THREADS_BIND=auto) reserves for the processes beside its compute ranks, connectors included,
-    computed by vLLM's `OMPProcessManager`; None when vLLM reserves none, binds nothing (GPU hosts, 'nobind')
-    or was bound explicitly. Why not the CPUs an explicit binding leaves out: another vLLM instance on the host
-    (a prefill beside a decode instance) may compute there, and an idle vLLM worker polls its queue on its
-    cores; our threads there starved (a decode instance's pull took 0.6-7 s instead of 20 ms, measured)."""
+    computed by vLLM's `OMPProcessManager`; for an engine in this process (`LLM()` with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly, the host's CPUs its binding leaves out
+    (`_beside_in_process_binding`); None when vLLM reserves none, binds nothing (GPU hosts, 'nobind') or a server
+    (an engine in its own processes) was bound explicitly. Why not the CPUs a server's explicit binding leaves
+    out: another vLLM instance on the host (a prefill beside a decode instance) may compute there, and an idle
+    vLLM worker process polls its queue on its cores; our threads there starved (a decode instance's pull took
+    0.6-7 s instead of 20 ms, measured)."""
     if setting == "inherit":
         return None
     if setting != "auto":
         return parse_cpu_list(setting)
     from vllm.platforms import current_platform
-    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+    if not current_platform.is_cpu():
         return None
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if binding != "auto":
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
+        return _beside_in_process_binding(binding) if in_process else None
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
         manager = OMPProcessManager(vllm_config)
@@ -89,3 +96,18 @@ def background_cpus_for(vllm_config: "VllmConfig", setting: str) -> frozenset[in
         return None
     compute = {cpu for cpus in manager.cpu_lists for cpu in cpus}
     return frozenset((set(manager.reserved_cpu_list) & _host_cpus()) - compute) or None
+
+
+def _beside_in_process_binding(binding: str) -> frozenset[int] | None:
+    """The host's CPUs an explicit VLLM_CPU_OMP_THREADS_BIND ("0", "0-3", "0|1": one list per rank) leaves out,
+    for an engine living in this process. Such an engine has no worker process polling a queue (it computes only
+    inside `generate`), so the cores it leaves free are the right place for our saves; on the model's core they
+    took its time (bench_e2e_ttft: a cold request with the connector ran at 0.96 of the speed without it, the
+    saves there taking 121 ms per batch). None when nothing is left, or for a binding that is not a CPU list."""
+    try:
+        compute: set[int] = set()
+        for part in binding.split("|"):
+            compute |= parse_cpu_list(part)
+    except ValueError:
+        return None
+    return frozenset(_host_cpus() - compute) or None

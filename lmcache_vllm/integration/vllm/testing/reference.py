@@ -19,7 +19,8 @@ is therefore never compared with a one-shot prefill. The one rule, used by the e
 vLLM's prefix cache works in whole blocks (128 tokens on CPU) and always computes at least the last prompt
 token, so it serves `floor((len - 1) / block) * block` tokens of a repeated prompt, where we serve
 `floor(len / chunk) * chunk`. Prompts compared this way have lengths where the two agree (`len % 256` in
-1..128 with 256-token chunks and 128-token blocks; `hit_splits_agree` tells). A full-prompt hit (all but
+1..128 with 256-token chunks and 128-token blocks; `len % 128` not 0 with the CPU default, chunks of the block
+size; `hit_splits_agree` tells). A full-prompt hit (all but
 the last token loaded) has no prefix-cache twin; such runs are compared with another run of ours that
 loaded the same bytes with the same split, or with a reference whose writer computed the same split.
 """
@@ -55,9 +56,11 @@ def replay(*jobs: tuple[str, dict[str, Any]], prefix_caching: bool = True) -> di
             "phases": phases}
 
 
-def hit_splits_agree(prompt_len: int, chunk_size: int = 256, block_size: int = 128) -> bool:
+def hit_splits_agree(prompt_len: int, chunk_size: int | None = None, block_size: int = 128) -> bool:
     """Whether vLLM's prefix cache serves a repeat of a `prompt_len`-token prompt the same number of tokens
-    as our connector with whole chunks (so the two can be compared like with like)."""
+    as our connector with whole chunks (so the two can be compared like with like). `chunk_size` None: the
+    connector's choice when none is set on vLLM's CPU backend, the block size."""
+    chunk_size = block_size if chunk_size is None else chunk_size
     ours = prompt_len - prompt_len % chunk_size
     vllm = (prompt_len - 1) - (prompt_len - 1) % block_size
     return ours == vllm

@@ -1,0 +1,114 @@
+"""Where a cached request's time goes: cProfile over warm hits of an in-process `LLM()` with the connector.
+
+    python benchmarks/profile_hit.py [--quick] [--model medium|tiny] [--len N] [--hits N] [--chunk-size N]
+                                     [--top N] [--out FILE]
+
+One vLLM engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, model bound to core 0 as in
+`bench_e2e_ttft.py`), our connector with L1 only. A prompt is computed once (cold, stored), then asked for
+again `--hits` times with max_tokens=1 under cProfile: every hit loads from L1. Printed: the wall time per
+hit, the connector's own functions (cumulative time per hit: lookup, load, the compiled scatter, stats), and
+the top functions by cumulative and by own time. The profiler adds its own cost to every Python call, so the
+per-call Python is overstated a little against the compiled copy; compare runs of this script, not with
+timings taken without it.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# What the connector does per hit: a label, then the function that does it (file suffix:function name).
+CONNECTOR_FUNCTIONS = """
+lookup: scheduler asks the worker     = integration/vllm/scheduler.py:get_num_new_matched_tokens
+lookup: worker answers                = integration/vllm/loads.py:lookup
+lookup: keys and holds                = engine/cache_engine.py:lookup_and_hold
+load: start_load_kv                   = integration/vllm/worker.py:start_load_kv
+load: the pipeline's load             = integration/vllm/load_pipeline.py:_load
+load: engine.retrieve                 = engine/cache_engine.py:retrieve
+load: storage.get                     = storage/manager.py:get
+load: compiled scatter (per chunk)    = lmcache_vllm/ops.py:transfer
+load: compiled scatter (all chunks)   = lmcache_vllm/ops.py:transfer_chunks
+save: wait_for_save                   = integration/vllm/worker.py:wait_for_save
+meta: build_connector_meta            = integration/vllm/scheduler.py:build_connector_meta
+stats: take_stats                     = integration/vllm/stats.py:take_stats
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1400 tokens, 5 hits")
+    parser.add_argument("--model", default=None, help="local model size (default medium; tiny with --quick)")
+    parser.add_argument("--len", type=int, default=None, help="prompt tokens (default 3900; 1400 with --quick)")
+    parser.add_argument("--hits", type=int, default=None, help="warm requests profiled (default 10; 5 with --quick)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="chunk_size (default: unset, the connector's)")
+    parser.add_argument("--top", type=int, default=25, help="rows of each top list")
+    parser.add_argument("--out", default=None, help="also write the raw profile (pstats) to this file")
+    parser.add_argument("--timer", choices=("thread", "wall"), default="thread",
+                        help="the profile's clock: this thread's CPU time (default: steadier on a shared machine, "
+                             "waits not counted) or wall time")
+    args = parser.parse_args(argv)
+    size = args.model or ("tiny" if args.quick else "medium")
+    prompt_len = args.len or (1400 if args.quick else 3900)
+    hits = args.hits or (5 if args.quick else 10)
+
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
+    from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, vllm_env
+
+    tmp = Path(tempfile.mkdtemp(prefix="lmv-profile-"))
+    os.environ.update(vllm_env(tmp, kv_cache_gib=2))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    extra = {"max_local_cpu_size": 2}
+    if args.chunk_size:
+        extra["chunk_size"] = args.chunk_size
+    llm = LLM(model=str(build_model(size)), dtype="bfloat16", max_model_len=prompt_len + 256, enforce_eager=True,
+              seed=0, enable_prefix_caching=False, max_num_batched_tokens=max(8192, prompt_len + 64),
+              kv_transfer_config=KVTransferConfig(**dict(CONNECTOR, kv_role="kv_both",
+                                                         kv_connector_extra_config=extra)))
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = TokensPrompt(prompt_token_ids=random_tokens(5, prompt_len))
+    llm.generate([TokensPrompt(prompt_token_ids=random_tokens(6, 300))], one, use_tqdm=False)  # warm-up
+    llm.generate([prompt], one, use_tqdm=False)  # cold: computed and stored
+    time.sleep(1.0)  # the cold request's background save finishes
+    out = llm.generate([prompt], one, use_tqdm=False)  # first hit: unprofiled (one-time costs)
+    cached = out[0].num_cached_tokens
+    profiler = cProfile.Profile(time.thread_time if args.timer == "thread" else time.perf_counter)
+    walls = []
+    for _ in range(hits):
+        t0 = time.perf_counter()
+        profiler.enable()
+        llm.generate([prompt], one, use_tqdm=False)
+        profiler.disable()
+        walls.append(time.perf_counter() - t0)
+    stats = pstats.Stats(profiler)
+    if args.out:
+        stats.dump_stats(args.out)
+    print(f"model {size}, prompt {prompt_len} tokens, {cached} from our cache per hit; {hits} hits profiled "
+          f"({args.timer} clock): wall per hit best {min(walls) * 1e3:.1f} ms, median "
+          f"{sorted(walls)[len(walls) // 2] * 1e3:.1f} ms")
+    entries = stats.stats  # type: ignore[attr-defined]
+    print("\nthe connector's work per hit (cumulative ms; calls per hit):")
+    for line in CONNECTOR_FUNCTIONS.strip().splitlines():
+        label, _, where = (part.strip() for part in line.partition("="))
+        suffix, _, name = where.partition(":")
+        found = [(v[3], v[1]) for (path, _line, fn), v in entries.items() if fn == name and path.endswith(suffix)]
+        if found:
+            cum, calls = sum(f[0] for f in found), sum(f[1] for f in found)
+            print(f"  {label:<40}{cum / hits * 1e3:>8.2f} ms {calls / hits:>7.1f}")
+    print(f"\ntop {args.top} by cumulative time:")
+    stats.sort_stats("cumulative").print_stats(args.top)
+    print(f"top {args.top} by own time:")
+    stats.sort_stats("tottime").print_stats(args.top)
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
