@@ -20,6 +20,7 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig  # noqa: E402
+from lmcache_vllm.integration.vllm.events import HoldReport  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec, SaveSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.params import PDRefusal, check_compatible, parse_remote_prefill, prefill_params  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler  # noqa: E402
@@ -109,6 +110,34 @@ def test_prefill_hold_goes_out_in_the_step_that_completes_the_prompt_and_an_abor
     assert [h.req_id for h in meta.peer_holds] == ["a"] and [s.num_tokens for s in meta.saves] == [700]
     assert finish(half, req, RequestStatus.FINISHED_ABORTED)[1] is None
     assert half.build_connector_meta(SchedulerOutput.make_empty()).peer_unholds == ["a"]
+
+
+def prompt_done(half, req):
+    """Schedules `req`'s whole prompt in one step and finishes it: the holds that went out, and its params."""
+    half.update_state_after_alloc(req, vllm_blocks(list(range(6))), 0)
+    holds = [h.req_id for h in half.build_connector_meta(new_step(req, list(range(6)), 0, 700)).peer_holds]
+    return holds, finish(half, req)[1]
+
+
+def test_prefill_answers_without_params_when_the_held_kv_would_pass_the_workers_cap(caplog):
+    """The workers report their cap on held KV (extra_config.pd_max_held_bytes, in tokens) and which holds
+    ended; a request whose hold would pass it is not held and answered without params (its decode instance
+    recomputes without a pull); an ended hold makes room again."""
+    half, _ = make_half()
+    holds, params = prompt_done(half, pd_request("a", 700, TOY_PROXY_PREFILL))
+    assert holds == ["a"] and params is not None  # no cap heard yet
+    half.pd.heard(HoldReport([], cap_tokens=1500))
+    holds, params = prompt_done(half, pd_request("b", 700, TOY_PROXY_PREFILL))
+    assert holds == ["b"] and params is not None  # 1400 held
+    holds, params = prompt_done(half, pd_request("c", 700, TOY_PROXY_PREFILL))
+    assert holds == [] and params is None  # 2100 > 1500
+    assert metrics.value("pd_holds_refused") == 1 and "pd_max_held_bytes" in caplog.text
+    half.pd.heard(HoldReport(["a"], cap_tokens=1500))  # a released by its decode instance
+    holds, params = prompt_done(half, pd_request("d", 700, TOY_PROXY_PREFILL))
+    assert holds == ["d"] and params is not None
+    half.pd.heard(HoldReport([], cap_tokens=0))  # no cap
+    assert prompt_done(half, pd_request("e", 700, TOY_PROXY_PREFILL))[1] is not None
+    assert metrics.value("pd_holds_refused") == 1
 
 
 def test_a_request_without_params_or_on_a_consumer_holds_nothing():
@@ -260,6 +289,27 @@ def test_releases_and_aborts_drop_holds(prefill, decode):
     prefill.wait_for_save(LMCacheConnectorMetadata(peer_unholds=["p2"]))
     assert wait_until(lambda: len(prefill.pd.holds) == 0)
     assert metrics.value("pd_holds_released") == 2
+
+
+def test_prefill_workers_report_their_cap_once_and_every_hold_that_ended(prefill):
+    """What the scheduler half's ledger hears (connector worker metadata): the cap in tokens in the first
+    report, then a report only when holds ended."""
+    first = prefill.hold_report()
+    holds = prefill.pd.holds
+    chunk_bytes = holds.max_bytes and kv_bytes_per_chunk(prefill)
+    assert first is not None and first.ended == [] and first.cap_tokens == holds.max_bytes * CHUNK // chunk_bytes
+    assert prefill.hold_report() is None
+    prefill_step(prefill, "p1")
+    prefill.begin_step()
+    prefill.wait_for_save(LMCacheConnectorMetadata(peer_unholds=["p1"]))
+    assert wait_until(lambda: len(holds) == 0)
+    assert prefill.hold_report() == HoldReport(["p1"], first.cap_tokens)
+    assert prefill.hold_report() is None
+
+
+def kv_bytes_per_chunk(worker) -> int:
+    layout = worker.pd.engine.layout
+    return int(torch.zeros(layout.chunk_shape(CHUNK), dtype=layout.geometry.dtype).nbytes)
 
 
 def test_a_decode_instance_of_another_tp_size_releases_every_prefill_rank(decode):

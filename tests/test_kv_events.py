@@ -90,13 +90,19 @@ def test_scheduler_releases_an_event_once_every_rank_reported_it():
     child); vLLM aggregates the ranks' metadata; a chunk counts once every rank reported it."""
     pytest.importorskip("vllm")
 
-    from lmcache_vllm.integration.vllm.events import LMCacheWorkerEvents, SchedulerEvents, take_worker_events, to_vllm
+    from lmcache_vllm.integration.vllm.events import (
+        LMCacheWorkerReport,
+        SchedulerEvents,
+        take_worker_events,
+        to_vllm,
+        worker_report,
+    )
 
     a = to_vllm(kv_events.ChunkEvent(True, b"\x01" * 16, "local_cpu", None, (1, 2, 3)), 256)
     b = to_vllm(kv_events.ChunkEvent(False, b"\x02" * 16, "local_disk"), 256)
 
     def rank(*events):
-        return LMCacheWorkerEvents(list(events))
+        return LMCacheWorkerReport(list(events))
 
     sched = SchedulerEvents(world_size=2)
     sched.add(rank(a, b))  # rank 0, step 1 (rank 1 reported nothing yet)
@@ -115,10 +121,10 @@ def test_scheduler_releases_an_event_once_every_rank_reported_it():
     assert one.take() == []
 
     kv_events.RECORDER.enabled = True
-    assert take_worker_events(256) is None
+    assert take_worker_events(256) == [] and worker_report([], None) is None
     kv_events.RECORDER._add(_a_key(), "redis", True)
-    taken = take_worker_events(256)
-    assert isinstance(taken, LMCacheWorkerEvents) and len(taken.events) == 1
+    taken = worker_report(take_worker_events(256), None)
+    assert isinstance(taken, LMCacheWorkerReport) and len(taken.events) == 1
     assert (taken.events[0].medium, taken.events[0].ownership) == ("STORAGE", "redis")
 
 
@@ -127,3 +133,20 @@ def _a_key() -> str:
 
     return CacheKey(model="m", world_size=1, rank=0, kv_dtype="bfloat16", fmt_version=1, digest=b"\x05" * 16,
                     fingerprint="").to_str()
+
+
+def test_holds_reports_join_ranks_with_the_smallest_cap():
+    """A prefill instance's ranks report their ended holds and their cap in tokens (pd/scheduler.py's ledger):
+    vLLM's aggregation keeps every ended hold and the smallest cap (0: a rank without one)."""
+    pytest.importorskip("vllm")
+
+    from lmcache_vllm.integration.vllm.events import HoldReport, LMCacheWorkerReport
+
+    def rank(ended, cap):
+        return LMCacheWorkerReport([], HoldReport(list(ended), cap))
+
+    joined = rank(["a"], 3000).aggregate(rank(["a", "b"], 2000))
+    assert joined.holds == HoldReport(["a", "a", "b"], 2000)
+    assert rank([], 0).aggregate(rank(["c"], 500)).holds == HoldReport(["c"], 500)
+    assert rank([], 0).aggregate(rank([], 0)).holds == HoldReport([], 0)
+    assert LMCacheWorkerReport().aggregate(rank(["d"], 7)).holds == HoldReport(["d"], 7)

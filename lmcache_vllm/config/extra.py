@@ -140,8 +140,9 @@ class ExtraConfig:
                                         "instance when no RELEASE comes (vLLM's kv_lease_duration)", check=SECONDS)
     pd_max_held_bytes: Optional[int] = setting(None, "most bytes of L1 chunks a prefill instance holds for "
                                                      "decode instances at once; a request that would go over "
-                                                     "it is not held (its pull is answered ERR full, the "
-                                                     "decode instance recomputes; counted in "
+                                                     "it is not held (answered without kv_transfer_params, or, "
+                                                     "when that was not foreseen, its pull is answered ERR "
+                                                     "full; the decode instance recomputes; counted in "
                                                      "pd_holds_refused); null: half of the L1 arena; 0: no cap",
                                                check=at_least(0, "bytes"))
     pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "

@@ -165,8 +165,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("pd_holds_expired", "requests", "Holds ended because no decode instance released them within "
        "extra_config.pd_hold_secs"),
     _c("pd_holds_refused", "requests", "Requests a prefill instance did not hold because the bytes held for "
-       "decode instances were at extra_config.pd_max_held_bytes: their pull is answered ERR full and the "
-       "decode instance recomputes"),
+       "decode instances were at extra_config.pd_max_held_bytes: answered without kv_transfer_params (or their "
+       "pull is answered ERR full) and the decode instance recomputes"),
     _c("pd_server_refusals", "connections", "Requests or connections a prefill instance's transfer server "
        "refused or cut off (reason: bad_request, auth, busy: every slot serving a pull; evicted: closed to "
        "make room; idle, timeout: no whole request in time; incomplete: the peer closed mid-request; lease: "

@@ -55,6 +55,8 @@ TP_PROMPT = h.random_tokens(220, COLD_LEN)
 KILLED = h.random_tokens(221, COLD_LEN)
 MAX_TOKENS = 8
 HOLD_S = 20.0  # pd_hold_secs of P: long enough for D to pull on a loaded machine, short for the expiry test
+HELD_PROMPTS = 12  # P's pd_max_held_bytes: the KV of this many PROMPT_LEN prompts (and less than one more)
+TINY_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # the tiny model: layers x K/V x KV heads x head size x bf16
 PULL_TIMEOUT_S = 3.0  # pd_pull_timeout_secs of D
 P_STATE = "lmcache_vllm:pd_holds"
 
@@ -83,7 +85,8 @@ def reference(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prefill(tiny_model, tmp_path_factory, reference):
     tmp = tmp_path_factory.mktemp("e2e_pdp_p")
-    extra = {"extra_config": {"pd_host": "127.0.0.1", "pd_hold_secs": HOLD_S}}
+    extra = {"extra_config": {"pd_host": "127.0.0.1", "pd_hold_secs": HOLD_S, "pd_max_held_bytes":
+                              (HELD_PROMPTS * PROMPT_LEN + PROMPT_LEN // 2) * TINY_BYTES_PER_TOKEN}}
     env = h.vllm_env(tmp, multiprocessing=True, threads_bind="0")
     with serve(tiny_model, server_args(tiny_model, extra, PROMPT_LEN - 1), tmp, env) as (base, log):
         yield base, log
@@ -288,6 +291,22 @@ def test_holds_expire_when_no_decode_instance_pulls(prefill, tiny_model, tmp_pat
         proc.wait(10)
     p = assert_no_holds(prefill, tiny_model)
     assert metric(p, "pd_holds_expired_total") - metric(before, "pd_holds_expired_total") == 2
+
+
+def test_a_prefill_instance_at_its_hold_cap_answers_without_params(prefill, tiny_model):
+    """Prefill requests no decode instance pulls: P holds HELD_PROMPTS of them (pd_max_held_bytes); the next
+    is answered without kv_transfer_params (its decode instance would recompute, with no pull to fail) and
+    counted; the holds expire."""
+    p_base = prefill[0]
+    before = scrape(p_base)
+    answers = [post(f"{p_base}/v1/completions", body(tiny_model, h.random_tokens(240 + i, PROMPT_LEN), max_tokens=1,
+                                                     kv_transfer_params={"do_remote_decode": True}))
+               for i in range(HELD_PROMPTS + 1)]
+    assert all(a.get("kv_transfer_params") for a in answers[:-1]), [a.get("kv_transfer_params") for a in answers]
+    assert not answers[-1].get("kv_transfer_params")
+    p = assert_no_holds(prefill, tiny_model)
+    assert metric(p, "pd_holds_refused_total") - metric(before, "pd_holds_refused_total") == 1
+    assert metric(p, "pd_holds_expired_total") - metric(before, "pd_holds_expired_total") == HELD_PROMPTS
 
 
 def test_other_tp_size_is_refused_clearly_and_recomputed(prefill, decode, reference, tiny_model):

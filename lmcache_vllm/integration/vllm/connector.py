@@ -42,7 +42,7 @@ from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
-from lmcache_vllm.integration.vllm.events import SchedulerEvents, take_worker_events
+from lmcache_vllm.integration.vllm.events import LMCacheWorkerReport, SchedulerEvents, take_worker_events, worker_report
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
 from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
 from lmcache_vllm.integration.vllm.lookup import LookupClient
@@ -314,16 +314,21 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             results.failed_recving |= self._worker.take_failed_recving()
         return results
 
-    # ============================================================== KV events (events.py)
+    # ============================================================== worker reports: KV events, holds (events.py)
     def build_connector_worker_meta(self) -> "KVConnectorWorkerMetadata | None":
         # The worker metadata, not get_kv_connector_kv_cache_events: MultiConnector forwards only this.
-        if self._worker is None or not self.config.enable_kv_events:
+        if self._worker is None:
             return None
-        return take_worker_events(self.config.resolved_chunk_size)
+        events = take_worker_events(self.config.resolved_chunk_size) if self.config.enable_kv_events else []
+        return worker_report(events, self._worker.hold_report())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        report = connector_output.kv_connector_worker_meta
         if self._events is not None:
-            self._events.add(connector_output.kv_connector_worker_meta)
+            self._events.add(report)
+        pd = self._scheduler.pd if self._scheduler is not None else None
+        if pd is not None and isinstance(report, LMCacheWorkerReport) and report.holds is not None:
+            pd.heard(report.holds)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         return self._events.take() if self._events is not None else ()

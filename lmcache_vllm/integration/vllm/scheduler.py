@@ -409,6 +409,9 @@ class SchedulerHalf:
         prefix the request asked to pin, once its KV exists."""
         self.hints.emit_pin(tracker, kv_end, meta)
         if tracker.holds_for_peer and not tracker.hold_emitted and kv_end >= tracker.prompt_len:
+            if self.pd is not None and not self.pd.admit_hold(tracker.req_id, tracker.prompt_len):
+                tracker.holds_for_peer = False  # over the cap on held KV: answered without params
+                return
             tracker.hold_emitted = True
             meta.peer_holds.append(PeerHoldSpec(tracker.req_id, tracker.token_ids(tracker.prompt_len),
                                                 tracker.extra))

@@ -38,6 +38,7 @@ from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.engine.grouped import GroupedEngine
+    from lmcache_vllm.integration.vllm.events import HoldReport
     from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer
     from lmcache_vllm.storage.base import InstanceIdentity
 
@@ -207,6 +208,10 @@ class WorkerHalf:
         layer = self.layer_index.get(layer_name)
         if layer is not None:
             self.save.save_layer(meta, layer, self.load.failed)
+
+    def hold_report(self) -> HoldReport | None:
+        """This rank's holds for decode instances, for the scheduler half (None: nothing new)."""
+        return self.pd.report() if self.pd is not None else None
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
         if self.pd is not None:

@@ -125,6 +125,7 @@ class PeerHolds:
         self._holds: dict[str, Hold] = {}
         self._held_bytes = 0
         self._ended: "OrderedDict[str, HoldState]" = OrderedDict()
+        self._newly_ended: list[str] = []  # since the last `take_ended` (the scheduler half's ledger)
         self._unregister = metrics.register_gauges(self._gauges)
 
     # ------------------------------------------------------------------ registering and filling
@@ -239,6 +240,15 @@ class PeerHolds:
         self._ended[req_id] = state
         while len(self._ended) > _REMEMBER_ENDED:
             self._ended.popitem(last=False)
+        self._newly_ended.append(req_id)
+        if len(self._newly_ended) > _REMEMBER_ENDED:  # nobody takes them: the ledger's own expiry covers it
+            del self._newly_ended[:-_REMEMBER_ENDED]
+
+    def take_ended(self) -> list[str]:
+        """The request ids whose holds ended (released, expired or refused) since the last call."""
+        with self._lock:
+            ended, self._newly_ended = self._newly_ended, []
+        return ended
 
     def expire(self) -> list[str]:
         """Ends the holds whose lease is over; returns their request ids."""

@@ -4,7 +4,11 @@
   step its prompt completes the scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts
   into the answer (P's address, every TP rank's transfer port, asked from the workers once; all under our own
   key with `namespaced_params`, beside another connector of a MultiConnector) or, for an aborted request,
-  drops the hold.
+  drops the hold. A ledger of the holds emitted (tokens each, until the workers report the hold ended or its
+  lease is over) keeps them under the workers' cap (`extra_config.pd_max_held_bytes`, reported in tokens:
+  `heard`): a request that would go over it is not held (`admit_hold`) and answered without params, so its
+  decode instance recomputes at once, with no pull. The workers still refuse a hold over the cap when it is
+  filled (the ledger hears of ended holds a step late, and counts a partial L1 prefix as whole).
 - Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
   pulls: params checked field by field (`params.py`), a prefill instance this instance may connect to
   (`trust.py`: signed params with a chunk MAC key, else loopback or `pd_peers`), a loading role, keys for the
@@ -20,6 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from lmcache_vllm.integration.vllm.events import HoldReport
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PeerSpec
 from lmcache_vllm.integration.vllm.pd.params import (
     PDRefusal,
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ANSWERED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # statuses of a prefill that produced its token
+_LEDGER_SLACK_S = 5.0  # a ledger entry outlives its hold's lease by this (the workers' clock runs apart)
 
 
 def peer_spec(remote: RemotePrefill) -> PeerSpec:
@@ -71,6 +77,8 @@ class PDScheduler:
         self._warned: set[str] = set()
         self._releases: list[PeerSpec] = []
         self._unholds: list[str] = []
+        self._cap_tokens = 0  # the prefill ranks' cap on held KV, in tokens (0: none, or not heard yet)
+        self._held: dict[str, tuple[int, float]] = {}  # request id -> (tokens, when its ledger entry ends)
 
     def _warn_once(self, reason: str, message: str, *args: object) -> None:
         if reason not in self._warned:
@@ -114,6 +122,30 @@ class PDScheduler:
                               num_tokens=request.num_prompt_tokens, chunk_size=self.chunk_size, mac=mac,
                               scope=self.trust.scope, expires=int(time.time() + self.hold_s) if mac else None,
                               namespaced=self.namespaced_params)
+
+    def heard(self, report: HoldReport) -> None:
+        """The workers' report of their holds (events.py)."""
+        self._cap_tokens = report.cap_tokens
+        for req_id in report.ended:
+            self._held.pop(req_id, None)
+
+    def admit_hold(self, req_id: str, tokens: int) -> bool:
+        """Whether the KV held for decode instances stays under the workers' cap with a hold of `tokens`
+        (then it enters the ledger); False: the request is not held, and answered without params."""
+        now = time.monotonic()
+        for done in [r for r, (_, end) in self._held.items() if end <= now]:
+            del self._held[done]
+        self._held.pop(req_id, None)  # held again (its prompt was recomputed): counted once
+        held = sum(t for t, _ in self._held.values())
+        if self._cap_tokens > 0 and held + tokens > self._cap_tokens:
+            metrics.inc("pd_holds_refused")
+            logs.warn(logger, "pd_holds_full", "request %s answered without kv_transfer_params (its decode "
+                      "instance recomputes the prompt): the KV of %d tokens is held for decode instances, %d more "
+                      "would pass the cap of %d (extra_config.pd_max_held_bytes; counted in pd_holds_refused)",
+                      logs.peer_text(req_id), held, tokens, self._cap_tokens)
+            return False
+        self._held[req_id] = (tokens, now + self.hold_s + _LEDGER_SLACK_S)
+        return True
 
     # ------------------------------------------------------------------ decode side
     def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:

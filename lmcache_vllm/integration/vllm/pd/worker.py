@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import TYPE_CHECKING, Iterable
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.integration.vllm.events import HoldReport
 from lmcache_vllm.integration.vllm.metadata import PeerHoldSpec, PeerSpec
 from lmcache_vllm.integration.vllm.pd.params import bind_host
 from lmcache_vllm.integration.vllm.saves import SaveQueue
@@ -44,6 +46,7 @@ class PeerTransfer:
         self.pull_timeout_s = extra.pd_pull_timeout_secs
         self.holds: PeerHolds | None = None
         self.server: TransferServer | None = None
+        self._cap_reported = False
         if serve:
             self.holds = PeerHolds(extra.pd_hold_secs, mac=mac, max_bytes=max_held_bytes(
                 extra.pd_max_held_bytes, engine.storage.allocator.capacity))
@@ -76,6 +79,22 @@ class PeerTransfer:
         except Exception:  # never a dead save thread: the decode instance recomputes
             logs.warn(logger, "pd_hold_failed", "request %s: holding its chunks failed", spec.req_id, exc_info=True)
             self.holds.fill(spec.req_id, [], [])
+
+    def report(self) -> HoldReport | None:
+        """For the scheduler half's ledger: the holds that ended since the last report, and this rank's cap
+        in tokens (None: nothing new to say, or this rank holds nothing)."""
+        if self.holds is None:
+            return None
+        ended = self.holds.take_ended()
+        if self._cap_reported and not ended:
+            return None
+        self._cap_reported = True
+        cap_tokens = 0
+        if self.holds.max_bytes > 0:
+            layout, chunk = self.engine.layout, self.engine.keys.chunk_size
+            chunk_bytes = math.prod(layout.chunk_shape(chunk)) * layout.geometry.dtype.itemsize
+            cap_tokens = max(1, self.holds.max_bytes * chunk // max(1, chunk_bytes))
+        return HoldReport(ended, cap_tokens)
 
     def unhold(self, req_ids: Iterable[str]) -> None:
         if self.holds is not None:
