@@ -179,7 +179,8 @@ STABLE = [
      'Holds ended because no decode instance released them within extra_config.pd_hold_secs'),
     ("pd_holds_refused", "counter", (),
      "Requests a prefill instance did not hold because the bytes held for decode instances were at "
-     "extra_config.pd_max_held_bytes: their pull is answered ERR full and the decode instance recomputes"),
+     "extra_config.pd_max_held_bytes: answered without kv_transfer_params (or their pull is answered ERR full) "
+     "and the decode instance recomputes"),
     ("pd_server_refusals", "counter", ("reason",),
      "Requests or connections a prefill instance's transfer server refused or cut off (reason: bad_request, "
      "auth, busy: every slot serving a pull; evicted: closed to make room; idle, timeout: no whole request in "
