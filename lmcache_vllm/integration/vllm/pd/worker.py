@@ -47,9 +47,14 @@ class PeerTransfer:
         self.holds: PeerHolds | None = None
         self.server: TransferServer | None = None
         self._cap_reported = False
+        self._cap_tokens = 0  # the cap on held bytes in tokens of this rank's KV (0: none), for `report`
         if serve:
             self.holds = PeerHolds(extra.pd_hold_secs, mac=mac, max_bytes=max_held_bytes(
                 extra.pd_max_held_bytes, engine.storage.allocator.capacity))
+            if self.holds.max_bytes > 0:
+                layout, chunk = engine.layout, engine.keys.chunk_size
+                chunk_bytes = math.prod(layout.chunk_shape(chunk)) * layout.geometry.dtype.itemsize
+                self._cap_tokens = max(1, self.holds.max_bytes * chunk // max(1, chunk_bytes))
             self.server = TransferServer(self.holds, host=bind_host(extra.pd_host),
                                          port=extra.pd_port + tp_rank if extra.pd_port else 0, mac=mac)
 
@@ -89,12 +94,7 @@ class PeerTransfer:
         if self._cap_reported and not ended:
             return None
         self._cap_reported = True
-        cap_tokens = 0
-        if self.holds.max_bytes > 0:
-            layout, chunk = self.engine.layout, self.engine.keys.chunk_size
-            chunk_bytes = math.prod(layout.chunk_shape(chunk)) * layout.geometry.dtype.itemsize
-            cap_tokens = max(1, self.holds.max_bytes * chunk // max(1, chunk_bytes))
-        return HoldReport(ended, cap_tokens)
+        return HoldReport(ended, self._cap_tokens)
 
     def unhold(self, req_ids: Iterable[str]) -> None:
         if self.holds is not None:
