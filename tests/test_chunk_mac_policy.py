@@ -60,9 +60,9 @@ def test_no_warning_when_nothing_others_can_write_goes_unsigned(tmp_path, redis_
     extra = {"remote_key_prefix": redis_prefix, "require_chunk_mac": True}
     kw: dict = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
     if setup == "key_in_env":
-        monkeypatch.setenv(MAC_KEY_ENV, "a fleet secret")
+        monkeypatch.setenv(MAC_KEY_ENV, "a fleet secret of 128 bits at least")
     elif setup == "key_in_config":
-        extra["chunk_mac_key"] = "a fleet secret"
+        extra["chunk_mac_key"] = "a fleet secret of 128 bits at least"
     if setup != "private_disk_only":
         kw["remote_url"] = redis_server.url
     with StorageManager(config(extra=extra, **kw)):
