@@ -228,7 +228,7 @@ def test_what_a_peer_no_longer_holds_is_withdrawn(url, redis_prefix):
         assert h.get_all(b, keys) == [0.0, 1.0, 2.0]  # not backed off
 
 
-@pytest.mark.parametrize("secret_a,secret_b,pulled", [("s1", "s1", 2), ("s1", "s2", 0), ("s1", None, 0)])
+@pytest.mark.parametrize("secret_a,secret_b,pulled", [(h.S1, h.S1, 2), (h.S1, h.S2, 0), (h.S1, None, 0)])
 def test_mac_secrets(url, redis_prefix, secret_a, secret_b, pulled):
     keys = [h.key(i) for i in range(2)]
     with h.manager(url, redis_prefix, "A", chunk_mac_key=secret_a) as a, \
@@ -238,7 +238,7 @@ def test_mac_secrets(url, redis_prefix, secret_a, secret_b, pulled):
         assert len(h.get_all(b, keys)) == pulled
         if secret_b is not None and secret_b != secret_a:  # A's entry is not signed with B's key: not asked
             assert metrics.value("p2p_skipped_peers", reason="unsigned") >= 1
-        elif not pulled:  # B without a key asks its loopback peer, which refuses an unsigned request
+        elif not pulled:  # B without a key asks its listed peer, which refuses an unsigned request
             assert metrics.value("p2p_pull_failures", reason="refused") + \
                    metrics.value("p2p_pull_failures", reason="corrupt") == 1
 
@@ -251,7 +251,7 @@ def test_without_a_mac_only_trusted_peers_are_asked(url, redis_prefix):
         assert b.prefix_tiers(keys) == []
         assert time.monotonic() - t0 < 1  # never connected to
         assert metrics.value("p2p_skipped_peers", reason="untrusted") == 1
-    with h.manager(url, redis_prefix, "C", chunk_mac_key="s", p2p_pull_timeout_secs=0.3) as c:
+    with h.manager(url, redis_prefix, "C", chunk_mac_key=h.S1, p2p_pull_timeout_secs=0.3) as c:
         # With a MAC key only entries signed with it are asked (whoever writes the directory's Redis names the
         # addresses): the planted, unsigned one is never connected to either.
         t0 = time.monotonic()

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import e2e_harness as h
 import pytest
+from ci import skip_or_fail
 
 from lmcache_vllm.integration.vllm.testing.openai_server import free_port, post, scrape, serve
 from lmcache_vllm.integration.vllm.testing.vllm_sources import TOY_PROXY, SourceUnavailable, vllm_source_file
@@ -136,9 +137,7 @@ def toy_proxy(prefill, decode, tmp_path_factory):
     try:
         script = vllm_source_file(TOY_PROXY)
     except SourceUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM's toy proxy is needed in CI: {exc}")
-        pytest.skip(f"vLLM's toy proxy unavailable here: {exc}")
+        skip_or_fail(f"vLLM's toy proxy unavailable here: {exc}")
     proc, base = start_proxy(prefill[0], int(decode[0].rsplit(":", 1)[1]), tmp_path_factory.mktemp("e2e_pdp_toy"),
                              script)
     yield base
