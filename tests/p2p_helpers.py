@@ -57,6 +57,13 @@ def store(mgr: StorageManager, keys: list[str], first_value: int = 0, shape: tup
         mgr.flush()
 
 
+def on_loop(mgr: StorageManager, coro: Any, timeout: float = 10.0) -> Any:
+    """Runs `coro` on `mgr`'s storage loop (where its tiers' clients live) and returns its result."""
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, mgr._loop).result(timeout)
+
+
 def p2p_tier(mgr: StorageManager) -> Any:
     return next(t for t in mgr.lower if t.name == "p2p")
 

@@ -154,3 +154,44 @@ def test_any_params_end_in_a_checked_pull_or_one_counted_refusal():
 
     with bounded_run(thread_grace_s=2.0):
         run()
+
+
+# ---------------------------------------------------------------- pd_peers entries and proxy authorizations
+ENTRY_WORDS = ["10.0.0.0/24", "127.0.0.1", "::1", "[::1]", "[fd00::/64]", "p1.test", "a..b", "", ":", "-", "/",
+               "5600", "65535", "65536", "0", "[", "]", "é", " ", "\r\n", "*"]
+
+
+@examples(300)
+@given(parts=st.lists(st.one_of(st.sampled_from(ENTRY_WORDS), st.text(max_size=6)), max_size=5),
+       port=st.integers(0, 70000))
+def test_any_pd_peers_entry_parses_to_a_host_and_ports_or_is_refused_clearly(parts, port):
+    """Whatever a configuration writes into pd_peers: an entry with a host or network and a port range, or a
+    ValueError (one ConfigError at start-up); an entry admits only its own ports."""
+    import ipaddress as ip
+
+    from lmcache_vllm.config.peers import check_peers, parse_peer
+
+    text = ":".join(parts) if len(parts) > 1 else "".join(parts)
+    try:
+        entry = parse_peer(text)
+    except ValueError:
+        assert check_peers([text]) is not None
+        return
+    assert check_peers([text]) is None and 0 < entry.low <= entry.high <= 65535
+    assert (entry.network is None) != (entry.name is None)
+    address = ip.ip_address("10.0.0.5") if entry.network is None else entry.network.network_address
+    host = entry.name or str(address)
+    assert entry.allows(host, address, port) == (entry.low <= port <= entry.high)
+
+
+@examples(300)
+@given(ours=st.one_of(values, st.dictionaries(st.sampled_from(["proxy_sig", "proxy_expires", "version"]), values,
+                                               max_size=3)),
+       extra=st.dictionaries(st.text(max_size=8), values, max_size=2))
+def test_any_proxy_authorization_verifies_or_is_refused(ours, extra):
+    from lmcache_vllm.integration.vllm.pd.params import proxy_authorized, proxy_params
+
+    params = {"do_remote_decode": True, **extra, "lmcache_vllm": ours}
+    assert proxy_authorized(params, MAC) in (None, False)  # nothing but a key holder's authorization passes
+    assert proxy_authorized(params, None) in (None, False)
+    assert proxy_authorized(dict(params, **proxy_params(MAC)), MAC) is True
