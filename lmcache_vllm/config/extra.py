@@ -184,12 +184,13 @@ class ExtraConfig:
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
     pd_peers: list[str] = setting(
-        meaning="the other instances this one pulls from without chunk_mac_key: prefill instances (kv_transfer_params "
-        "come from clients, so they may name any host) and P2P peers (the directory names them): host names, "
-        "addresses or networks (10.0.0.0/24). Loopback is always allowed, but chunks pulled from an unlisted "
-        "loopback prefill instance stay in L1 (never written to disk or Redis); chunks from a listed peer, or "
-        "verified with the MAC, are stored like any other. With chunk_mac_key set, prefill instances sign their "
-        "params and any signed peer is pulled from",
+        meaning="the transfer ports of the other instances this one connects to without chunk_mac_key: prefill "
+        "instances (kv_transfer_params come from clients, so they may name any host and port) and P2P peers (the "
+        "directory names them): HOST:PORT or HOST:FIRST-LAST, HOST an address, a network (10.0.0.0/24:5600-5607) "
+        "or a name (resolved off vLLM's step; no other name is ever looked up); IPv6 in brackets. Loopback is "
+        "nobody's by default. Non-empty: disaggregated prefill is configured explicitly (this instance holds for "
+        "any client's do_remote_decode). With chunk_mac_key set, prefill instances sign their params and any "
+        "signed peer is pulled from",
         check=check_peers, default_factory=list)
     # Peer-to-peer sharing (enable_p2p; docs/P2P.md)
     p2p_directory_url: Optional[str] = setting(None, "the P2P directory (which instance holds which chunk: keys "

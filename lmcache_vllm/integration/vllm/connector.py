@@ -192,6 +192,12 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if pd is not None and self.can_save:
                 for warning in host_warnings(pd.host):
                     logger.warning(warning)
+            if pd is not None and self.config.extra_config.pd == "on" and pd.trust.mac is None \
+                    and not pd.hold_for_any_client:
+                logger.warning("disaggregated prefill: extra_config.pd is on, but without a chunk MAC key or "
+                               "extra_config.pd_peers this instance holds for no request and pulls from no other "
+                               "instance: set LMCACHE_VLLM_CHUNK_MAC_KEY on every instance, or list their "
+                               "transfer ports in pd_peers (docs/DISAGGREGATED.md)")
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
                                             can_load=self.can_load, can_save=self.can_save, pd=pd,
                                             groups=SchedulerGroups(plan.groups, self.config.resolved_chunk_size)
