@@ -39,6 +39,7 @@ from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_vllm.config import LMCacheConfig, load_config
+from lmcache_vllm.config.peers import ip_literal
 from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
@@ -126,8 +127,10 @@ def pd_trust(config: LMCacheConfig, vllm_config: "VllmConfig", tp_size: int) -> 
     if mac is not None:  # signed params name the model's keys: a signature for another model does not pass
         identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_keyed=True)
         scope = pd_scope(identity.fingerprint, tp_size, config.resolved_chunk_size)
-    return PeerTrust(config.extra_config.pd_peers, mac, scope,
-                     own_addresses=own_addresses(bind_host(config.extra_config.pd_host)))
+    pd_host = config.extra_config.pd_host
+    advertised = advertised_host(pd_host)  # what this instance names in its own params (vLLM's IP for 0.0.0.0)
+    own = own_addresses(bind_host(pd_host)) | (frozenset({advertised}) if ip_literal(advertised) else frozenset())
+    return PeerTrust(config.extra_config.pd_peers, mac, scope, own_addresses=own)
 
 
 def pd_explicit(config: LMCacheConfig, mac: object) -> bool:

@@ -53,9 +53,8 @@ class Releases:
         self._lock = threading.Lock()
         self._queues: dict[Destination, deque[tuple[float, bytes]]] = {}
         self._thread: Optional[threading.Thread] = None
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wake_r: Optional[socket.socket] = None  # made with the thread (a forked process makes its own)
+        self._wake_w: Optional[socket.socket] = None
 
     def put(self, address: str, port: int, frame: bytes) -> None:
         dropped = ""
@@ -72,12 +71,21 @@ class Releases:
                     dropped = "queue_full"
                 queue.append((time.monotonic(), frame))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lmcache-pd-release", daemon=True)
+                for sock in (self._wake_r, self._wake_w):
+                    if sock is not None:
+                        sock.close()
+                self._wake_r, self._wake_w = socket.socketpair()
+                self._wake_r.setblocking(False)
+                self._wake_w.setblocking(False)
+                self._thread = threading.Thread(target=self._run, args=(self._wake_r,), name="lmcache-pd-release",
+                                                daemon=True)
                 self._thread.start()
+            wake = self._wake_w
         if dropped:
             metrics.inc("pd_releases_dropped", reason=dropped)
         try:
-            self._wake_w.send(b"\0")
+            if wake is not None:  # (always: made with the thread, above)
+                wake.send(b"\0")
         except OSError:
             pass  # its buffer is full: the thread is awake already
 
@@ -87,17 +95,17 @@ class Releases:
             return sum(len(q) for q in self._queues.values())
 
     # ------------------------------------------------------------------ the thread
-    def _run(self) -> None:
+    def _run(self, wake: socket.socket) -> None:
         enter_background_cpus()
         selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        selector.register(wake, selectors.EVENT_READ, None)
         open_: dict[Destination, _Connection] = {}
         while True:
             try:
                 self._open_more(selector, open_)
                 for key, _ in selector.select(self._next_wait(open_)):
                     if key.data is None:
-                        self._drain_wake()
+                        self._drain_wake(wake)
                     else:
                         self._progress(selector, open_, key.data)
                 self._close_late(selector, open_)
@@ -105,9 +113,10 @@ class Releases:
                 logs.warn(logger, "pd_release_failed", "sending RELEASEs failed", exc_info=True)
                 time.sleep(0.1)
 
-    def _drain_wake(self) -> None:
+    @staticmethod
+    def _drain_wake(wake: socket.socket) -> None:
         try:
-            while self._wake_r.recv(4096):
+            while wake.recv(4096):
                 pass
         except (BlockingIOError, InterruptedError):
             pass
