@@ -124,8 +124,8 @@ STABLE = [
      'Chunks whose keyed MAC did not verify (extra_config.chunk_mac_key set): also counted in '
      'corrupt_chunks, answered as misses and deleted'),
     ("lost_chunks", "counter", ('tier',),
-     'Chunks a tier listed but did not give back whole when read (Mooncake: evicted since, or on a '
-     'storage host that died, or a value of another size): answered as misses'),
+     'Chunks a tier listed but could not read back (Mooncake: evicted since, or their storage host '
+     'died; such an entry is removed): answered as misses'),
     ("evictions", "counter", ('tier',),
      'Chunks evicted from a tier to make room (least recently used first)'),
     ("read_alloc_failures", "counter", ('tier',),

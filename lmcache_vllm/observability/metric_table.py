@@ -123,8 +123,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "were deleted", _T),
     _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
        "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
-    _c("lost_chunks", "chunks", "Chunks a tier listed but did not give back whole when read (Mooncake: evicted "
-       "since, or on a storage host that died, or a value of another size): answered as misses", _T),
+    _c("lost_chunks", "chunks", "Chunks a tier listed but could not read back (Mooncake: evicted since, or their "
+       "storage host died; such an entry is removed): answered as misses", _T),
     _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
     _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
     _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "

@@ -12,9 +12,10 @@ processes and hosts as Redis' chunks are, through `client.MooncakeClient` (every
   object's size and decode a copy.
 - Puts that come while one is being sent go out together as the next batch.
 - Faults are misses, counted (tier `mooncake`): a master that is down, dies or restarts empty (`failed_reads`,
-  `failed_writes`, `breaker_skipped_calls`); an object listed but not read back whole, because it was evicted,
-  its storage host died, or it has another size (`lost_chunks`); bytes that are not the chunk asked for
-  (`corrupt_chunks`, and the object is removed).
+  `failed_writes`, `breaker_skipped_calls`); an object listed but not read back, because it was evicted or
+  its storage host died (`lost_chunks`; one whose replica did not read back is removed, or the master would
+  list it to every lookup until the host's lease ends); bytes that are not the chunk asked for, or an object
+  of another size (`corrupt_chunks`, removed).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class MooncakeBackend(StorageBackend):
         except BaseException:
             release_objs(r.obj for r in reads)
             raise
-        corrupt = []
+        dead = []  # objects no reader can use: removed, so that lookups stop finding them
         for read in reads:
             if read.outcome == "hits":
                 out[read.index] = read.obj
@@ -167,15 +168,16 @@ class MooncakeBackend(StorageBackend):
             read.obj.ref_down()
             if read.outcome == "corrupt":
                 metrics.inc("corrupt_chunks", tier=self.name)
-                corrupt.append(read.key)
-            elif read.outcome == "lost":
+            elif read.outcome in ("lost", "unreadable"):
                 metrics.inc("lost_chunks", tier=self.name)
-        for key in corrupt:
+            if read.outcome in ("corrupt", "unreadable"):
+                dead.append(read.key)
+        for key in dead:
             await self.remove(key)
         return out
 
     async def _read_batch(self, reads: list[_Read]) -> None:
-        """One zero-copy call for `reads`: sets each one's outcome (hits, corrupt, lost or failed)."""
+        """One zero-copy call for `reads`: sets each one's outcome (hits, corrupt, lost, unreadable or failed)."""
         try:
             headers = self._headers.allocate((sum(r.header_len for r in reads),), torch.uint8, timeout=0.0)
         except AllocationError:
@@ -225,9 +227,11 @@ class MooncakeBackend(StorageBackend):
             return "failed"
         if code == INVALID_PARAMS or code >= 0:  # larger than the chunk: no chunk of this key
             return "corrupt"
-        if code == TRANSFER_FAIL:  # gone with its storage host, or shorter than the chunk: its size tells
+        if code == TRANSFER_FAIL:  # shorter than the chunk, or its replica is gone with its storage host
             size = store.get_size(read.rkey)
-            return "corrupt" if size >= 0 and size != read.size else "lost"
+            # The master lists an object whose replica did not read back until the host's lease ends: unremoved,
+            # every lookup would find it, and every load of it fail, until then.
+            return "corrupt" if size >= 0 and size != read.size else "unreadable"
         return "lost"
 
     async def _read_copies(self, keys: Sequence[str], alloc: AllocFn) -> list[MemoryObj | None]:
