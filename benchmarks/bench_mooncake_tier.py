@@ -68,12 +68,7 @@ def tier_configs(mooncake_url: str, redis_url: str) -> dict[str, dict]:
 
 
 async def throughput(args, configs: dict[str, dict], mooncake_port: int) -> dict:
-    num = args.chunks
-    chunk_mib = args.chunk_mib or (2.0 if args.quick else 4.0)
-    repeats = args.repeats or (3 if args.quick else 7)
-    hidden = 1024
-    tokens = max(1, int(chunk_mib * (1 << 20) / (32 * 2 * hidden * 2)))
-    shape = (32, 2, tokens, hidden)
+    num, shape, repeats = _common.tier_chunks(args)
     chunks, keys, objs, dst = _common.staged_chunks(num, shape)
     chunk_bytes = chunks[0].numel() * 2
     total = chunk_bytes * num
