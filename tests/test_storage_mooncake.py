@@ -196,6 +196,30 @@ async def test_an_object_gone_between_lookup_and_read_is_a_lost_chunk(store, pre
     await backend.close()
 
 
+async def test_a_full_pool_evicts_silently_and_every_read_is_right_or_a_miss(fresh_store, prefix, allocator,
+                                                                          make_chunk):
+    deployment = fresh_store(segment="16MB").start()  # Mooncake's smallest: room for ~120 of these chunks
+    backend = MooncakeBackend(mooncake_config(deployment.url, prefix))
+    big, n, step = (2, 2, 256, 64), 300, 30  # 128 KiB chunks
+    for first in range(0, n, step):
+        await put_all(backend, allocator, [make_chunk(i, big) for i in range(first, first + step)], first)
+    keys = [key(i) for i in range(n)]
+    listed = await backend.contains(keys)
+    assert 0 < sum(listed) < n  # Mooncake evicted some (or refused them when full), without a word
+    hits = 0
+    for first in range(0, n, step):
+        got = await backend.get_many(keys[first:first + step], reader(allocator, keys[first:first + step],
+                                                                      (big, torch.bfloat16)))
+        for i, obj in enumerate(got, first):
+            if obj is not None:
+                assert torch.equal(obj.tensor, make_chunk(i, big)), i
+                hits += 1
+        release(got)
+    assert hits + metrics.value("lost_chunks", tier=MOONCAKE) >= sum(listed)
+    assert metrics.value("corrupt_chunks", tier=MOONCAKE) == 0
+    await backend.close()
+
+
 async def test_master_down_at_start_then_up(fresh_store, prefix, allocator, make_chunk):
     deployment = fresh_store()  # not started: nothing listens on its port
     start = time.monotonic()
