@@ -114,4 +114,6 @@ def test_storage_host_killed_its_chunks_are_recomputed(server, store, reference,
     got = complete(base, tiny_model, LOST)
     assert got["num_cached_tokens"] == 0, log
     h.assert_like_with_like(got, reference["lost"], what="server/lost, recomputed")
-    assert metric(base, tiny_model, "lost_chunks_total", "mooncake") >= 1
+    # read once and removed: the next lookup does not find them (else vLLM would fail the load again every
+    # second until the host's lease ends)
+    assert metric(base, tiny_model, "lost_chunks_total", "mooncake") == 2
