@@ -296,6 +296,9 @@ class MooncakeBackend(StorageBackend):
             results = [False] * len(batch)
             try:
                 results = await self._put_batch([key for key, _, _ in batch], [obj for _, obj, _ in batch])
+            except Exception as exc:  # a bug of ours must not end the flushing for every later put
+                logs.warn(logger, "mooncake_put_failed", "Mooncake put of %d chunks failed: %r", len(batch), exc)
+                metrics.inc("failed_writes", len(batch), tier=self.name)
             finally:
                 for (_, obj, future), ok in zip(batch, results):
                     obj.ref_down()
