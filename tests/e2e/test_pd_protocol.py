@@ -334,7 +334,8 @@ def test_params_changed_on_the_way_are_refused_and_the_prefill_instance_gets_not
     d = nudge_and_scrape(decode[0], tiny_model, lambda m: metric(m, "pd_pull_failures_total") >= failures, 20)
     assert metric(d, "pd_pull_failures_total") == failures
     assert peer_hits(d) == peer_hits(d0)  # nothing was pulled
-    p = scrape(prefill[0])
+    time.sleep(1.5)  # a RELEASE would have gone out by now; P's counts reach its API server with its next steps:
+    p = nudge_and_scrape(prefill[0], tiny_model, lambda m: False, 3)  # a few steps
     assert metric(p, "pd_holds") == 1 and metric(p, "pd_holds_released_total") == metric(p0, "pd_holds_released_total")
     post(f"{decode[0]}/v1/completions", body(tiny_model, TP_PROMPT, kv_transfer_params=params))  # the real ones
     p = assert_no_holds(prefill, tiny_model)  # released by D
