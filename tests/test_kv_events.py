@@ -22,6 +22,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
 )
 
 from lmcache_vllm.integration.vllm.events import (  # noqa: E402
+    MAX_EVENTS_PER_BATCH,
     LMCacheWorkerReport,
     SchedulerEvents,
     VllmBlocks,
@@ -293,6 +294,9 @@ def test_scheduler_releases_an_event_once_every_rank_reported_it():
     one = SchedulerEvents(world_size=1)
     one.add(rank(a))
     assert one.take() == [a] and one.take() == []
+    many = [blocks.to_vllm(kv_events.ChunkEvent(False, i.to_bytes(16, "little"), "local_cpu")) for i in range(5000)]
+    one.add(rank(*many))  # a clear of a large tier: at most MAX_EVENTS_PER_BATCH a step (vllm-router takes 4096)
+    assert [len(one.take()) for _ in range(4)] == [MAX_EVENTS_PER_BATCH, MAX_EVENTS_PER_BATCH, 904, 0]
     one.add(None)  # a step without events
     assert one.take() == []
 

@@ -7,10 +7,11 @@ Each worker's connector hands vLLM the events of its process every step (`take_w
 workers' metadata (`aggregate`) and gives it to the scheduler's `update_connector_output`, and its `take_events`
 publishes what `SchedulerEvents` releases: with tensor parallelism a chunk counts as stored (or removed) only once
 every rank reported it, which may happen in different steps (background saves), so reports wait across steps (at
-most `MAX_WAITING` distinct events; older ones are dropped). vLLM's scheduler publishes them in the same batch as
-its own device events. Worker metadata, not vLLM's `get_kv_connector_kv_cache_events`: vLLM's MultiConnector
-(0.32 and 0.33) passes each child its own worker metadata and publishes its children's `take_events`, but never
-asks children for `get_kv_connector_kv_cache_events`, so events sent that way vanish under it.
+most `MAX_WAITING` distinct events; older ones are dropped), and at most `MAX_EVENTS_PER_BATCH` go out a step.
+vLLM's scheduler publishes them in the same batch as its own device events. Worker metadata, not vLLM's
+`get_kv_connector_kv_cache_events`: vLLM's MultiConnector (0.32 and 0.33) passes each child its own worker metadata
+and publishes its children's `take_events`, but never asks children for `get_kv_connector_kv_cache_events`, so
+events sent that way vanish under it.
 
 `VllmBlocks` makes the events exactly what vLLM publishes of its own blocks (v1/core/block_pool.py), so that
 routers index them (vllm-router's `kv_aware`, llm-d, Dynamo: docs/ROUTING.md): a chunk of ours is `chunk_size /
@@ -41,6 +42,9 @@ from lmcache_vllm.observability import kv_events
 from lmcache_vllm.storage.tier import Tier
 
 MAX_WAITING = 100_000
+# Ours in one of vLLM's event batches at most (the rest wait for the next steps): vllm-router refuses a batch of
+# more than 4096 events and then forgets everything the instance published, vLLM's own device blocks included.
+MAX_EVENTS_PER_BATCH = 2048
 
 
 @dataclass
@@ -150,5 +154,5 @@ class SchedulerEvents:
             self._waiting.popitem(last=False)
 
     def take(self) -> list[KVCacheEvent]:
-        ready, self._ready = self._ready, []
+        ready, self._ready = self._ready[:MAX_EVENTS_PER_BATCH], self._ready[MAX_EVENTS_PER_BATCH:]
         return ready
