@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from lmcache_vllm.integration.vllm.testing.openai_server import free_port
+from lmcache_vllm.integration.vllm.testing.openai_server import free_port, stop_group
 
 _DECISION = re.compile(r"KV prefix decision")
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
@@ -84,13 +84,7 @@ def route(workers: Sequence[str], policy: str, log_dir: Path, *, events: dict[st
         time.sleep(1.0)  # ZMQ: a subscription takes effect a moment after the connect
         yield base, log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the router's own session, started above
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=20)
+        stop_group(proc, signal.SIGTERM)
 
 
 def _subscribed(log: Path, sources: int) -> bool:
