@@ -257,18 +257,9 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
             print(f"{name}: the router credited a cached prefix in {row['router_credited_decisions']} of "
                   f"{row['router_decisions']} decisions ({row['router_credited_tokens']} tokens); an instance did "
                   f"not render the prompt in time {row['router_unprepared_inputs']} times")
-    res = {"model": size, "cpu": _common.cpu_model(), "instances": instances,
-           **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows),
-           **{f"{name}.failed": why for name, why in failed.items()}}
-    for name, row in rows.items():
-        for key, value in row.items():
-            res[f"{name}.{key}"] = value
-    for key, value in res.items():
-        if key.endswith("_ratio"):
-            print(f"{key}: {value:.2f}")
-    _common.write_json(json_path, res)
-    if failed:
-        raise SystemExit(f"failed configurations: {', '.join(failed)}")
+    _common.write_configurations(json_path, {"model": size, "cpu": _common.cpu_model(), "instances": instances,
+                                             **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows)},
+                                 rows, failed)
 
 
 if __name__ == "__main__":
