@@ -303,6 +303,7 @@ def test_scheduler_releases_an_event_once_every_rank_reported_it():
     kv_events.RECORDER.enabled = True
     assert take_worker_events(blocks) == [] and worker_report([], None) is None
     kv_events.RECORDER.stored(_a_key(), "redis")  # a chunk never noted here: nothing to publish
+    kv_events.RECORDER.removed(_a_key(), "a tier this version does not know")  # left out, never raised
     kv_events.RECORDER.removed(_a_key(), "redis")
     taken = worker_report(take_worker_events(blocks), None)
     assert isinstance(taken, LMCacheWorkerReport) and len(taken.events) == 1

@@ -30,6 +30,7 @@ are ignored by consumers). A partial chunk publishes its whole blocks only. Publ
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -38,8 +39,10 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
-from lmcache_vllm.observability import kv_events
+from lmcache_vllm.observability import kv_events, logs
 from lmcache_vllm.storage.tier import Tier
+
+logger = logging.getLogger(__name__)
 
 MAX_WAITING = 100_000
 # Ours in one of vLLM's event batches at most (the rest wait for the next steps): vllm-router refuses a batch of
@@ -118,8 +121,18 @@ class VllmBlocks:
 
 
 def take_worker_events(blocks: VllmBlocks) -> list[KVCacheEvent]:
-    """This process's events since the last call, as vLLM's."""
-    return [e for e in map(blocks.to_vllm, kv_events.RECORDER.take()) if e is not None]
+    """This process's events since the last call, as vLLM's (on vLLM's step: an event that cannot be converted,
+    of a tier this version does not know, is logged and left out, never raised)."""
+    out = []
+    for event in kv_events.RECORDER.take():
+        try:
+            converted = blocks.to_vllm(event)
+        except Exception:
+            logs.warn(logger, "kv_event_conversion", "a KV event could not be converted: %r", event, exc_info=True)
+            continue
+        if converted is not None:
+            out.append(converted)
+    return out
 
 
 def worker_report(events: list[KVCacheEvent], holds: HoldReport | None) -> LMCacheWorkerReport | None:
