@@ -191,6 +191,7 @@ class Controller:
         import_sglang()
         self.pool = pool
         self.page = pool.page_size
+        self.hybrid = hybrid
         allocator = _DeviceAllocator(layers)
         kwargs = dict(page_size=self.page, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
                       storage_backend="dynamic", model_name=model_name, storage_backend_extra_config=dict(extra),
@@ -227,7 +228,11 @@ class Controller:
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         key = RadixKey(tokens, cache_salt=salt) if salt is not None else tokens
-        operation = self.ctl.prefetch(rid, key)
+        if self.hybrid:  # the hybrid controller takes the scheduler's request handle
+            from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+            operation = self.ctl.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), key)
+        else:
+            operation = self.ctl.prefetch(rid, key)
         deadline = time.monotonic() + timeout
         op = _take(self.ctl.prefetch_hit_queue, deadline)
         if op.storage_hit_count == 0:
