@@ -99,8 +99,10 @@ def mha_pool(layout: str = "page_first", *, seed: int = 0, dtype: torch.dtype = 
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    k = tuple(torch.zeros(device_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
-    v = tuple(torch.zeros(device_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
+    # The device rows only fill SGLang's pointer tables here (nothing moves to a device): two pages suffice; the
+    # host pool's size follows device_tokens * ratio.
+    k = tuple(torch.zeros(2 * page, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(2 * page, heads, head_dim, dtype=dtype) for _ in range(layers))
 
     def ptrs(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
@@ -121,7 +123,7 @@ def mla_pool(layout: str = "page_first", *, seed: int = 0, dtype: torch.dtype = 
     from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    rows = tuple(torch.zeros(device_tokens + page, 1, MLA_DIM, dtype=dtype) for _ in range(layers))
+    rows = tuple(torch.zeros(2 * page, 1, MLA_DIM, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(buffers=rows, data_ptrs=torch.tensor([r.data_ptr() for r in rows], dtype=torch.uint64),
                          layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page,
                          kv_lora_rank=MLA_DIM - 8, qk_rope_head_dim=8, kv_cache_dim=MLA_DIM, dtype=dtype,
@@ -183,18 +185,18 @@ class _DeviceAllocator:
 
 class Controller:
     """SGLang's `HiCacheController` over `pool` with the dynamic backend `extra` names attached by SGLang's
-    factory (`hybrid=True`: `HybridCacheController` over a one-entry `HostPoolGroup`, what 0.5.23 builds for a
-    dense model)."""
+    factory (`backend="file"`: SGLang's own HiCacheFile instead; `hybrid=True`: `HybridCacheController` over a
+    one-entry `HostPoolGroup`, what 0.5.23 builds for a dense model)."""
 
     def __init__(self, pool: Any, extra: dict[str, Any], *, hybrid: bool = False, metrics: bool = False,
-                 model_name: str = "test-model", layers: int = LAYERS):
+                 model_name: str = "test-model", layers: int = LAYERS, backend: str = "dynamic"):
         import_sglang()
         self.pool = pool
         self.page = pool.page_size
         self.hybrid = hybrid
         allocator = _DeviceAllocator(layers)
         kwargs = dict(page_size=self.page, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
-                      storage_backend="dynamic", model_name=model_name, storage_backend_extra_config=dict(extra),
+                      storage_backend=backend, model_name=model_name, storage_backend_extra_config=dict(extra),
                       enable_storage_metrics=metrics)
         if hybrid:
             from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController

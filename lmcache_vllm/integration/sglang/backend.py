@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from lmcache_vllm.cpu_affinity import single_threaded_torch
 from lmcache_vllm.integration.sglang.config import backend_config
 from lmcache_vllm.integration.sglang.hybrid import HybridPools
 from lmcache_vllm.integration.sglang.keys import PageKeys, Parallelism, model_inputs, page_identity
@@ -48,6 +49,7 @@ from lmcache_vllm.storage.base import InstanceIdentity, release_objs
 from lmcache_vllm.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
+_thread_state = threading.local()
 
 KV_POOL = "kv"  # SGLang's PoolName.KV: the pool `register_mem_pool_host` hands over
 
@@ -116,6 +118,7 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
     def transfer(self, name: str, op: str, hashes: Sequence[str], host_indices: Any) -> list[bool]:
         """Stores (`op` "set") or loads ("get") the pages of pool `name` at `host_indices` under `hashes`; True
         per page done (a load: the leading run). Refused (all False) when they are not pages of that pool."""
+        _own_thread()
         with self.stats.call(op) as call:
             pool = self.pools.get(name)
             starts = pool.pages.page_starts(host_indices, len(hashes)) if pool is not None else None
@@ -148,6 +151,7 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
         if pool is None or len(targets) != len(keys) or not all(isinstance(t, torch.Tensor) for t in targets):
             self._refused("get", len(keys))
             return [None] * len(keys)
+        _own_thread()
         with self.stats.call("get") as call:
             to_flat = pool.pages.to_flat
 
@@ -167,6 +171,7 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
         if pool is None or len(flats) != len(keys) or not all(isinstance(v, torch.Tensor) for v in flats):
             self._refused("set", len(keys))
             return False
+        _own_thread()
         with self.stats.call("set") as call:
             fill_flat = pool.pages.fill_flat
 
@@ -290,6 +295,13 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
                 return
             self._closed = True
         self.manager.close()
+
+
+def _own_thread() -> None:
+    """The page copies of a call run on the calling thread alone (SGLang's backup or prefetch thread): an OpenMP
+    team of its own would slow the model's thread down and, on a busy host, the copies too (`cpu_affinity`)."""
+    if not getattr(_thread_state, "single", False):
+        _thread_state.single = single_threaded_torch() or True
 
 
 def _prefix_keys(pool: PagePool, hashes: Sequence[str]) -> list[str]:
