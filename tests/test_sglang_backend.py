@@ -29,6 +29,16 @@ from lmcache_vllm.integration.sglang import LMCacheHiCacheStorage  # noqa: E402
 from lmcache_vllm.integration.sglang.pages import UnsupportedPool  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def every_backend_closed():
+    """A test that leaves a backend open (its storage thread, its share of the metrics export) fails."""
+    from lmcache_vllm.integration.sglang import prometheus
+
+    yield
+    assert prometheus._export is None or prometheus._export.users == 0, "a backend was left open"
+
+
 TOKENS = list(range(5000, 5000 + 4 * S.PAGE))
 HASHES = S.page_hashes(TOKENS)
 
@@ -124,7 +134,11 @@ def test_keys_name_the_model_rank_layout_and_dtype_and_mla_ranks_share_pages(tmp
             assert other.batch_exists(HASHES) == 0, kwargs or other_pool.layout
         finally:
             other.close()
-    assert make(pool, disk(tmp_path, extra_config={"cache_namespace": "v2"})).batch_exists(HASHES) == 0
+    namespaced = make(pool, disk(tmp_path, extra_config={"cache_namespace": "v2"}))
+    try:
+        assert namespaced.batch_exists(HASHES) == 0
+    finally:
+        namespaced.close()
     mla = S.mla_pool("page_first", seed=6)
     rank0 = make(mla, disk(tmp_path), mla=True, tp_rank=0, tp_size=2)
     assert rank0.batch_set_v1(HASHES, mla.alloc(4 * S.PAGE)) == [True] * 4
@@ -294,3 +308,21 @@ def test_a_batch_larger_than_the_write_queue_and_the_arena_is_stored_and_read_wh
         assert metrics.value("dropped_stores", reason="queue_full") == 0
     finally:
         backend.close()
+
+
+def test_our_metrics_reach_prometheus_labelled_with_the_model_and_rank_and_the_export_ends_with_the_backend(tmp_path):
+    from lmcache_vllm.integration.sglang import prometheus
+
+    pool = S.mha_pool("page_first")
+    backend = make(pool, disk(tmp_path), model_name="prom-model", tp_rank=0)
+    try:
+        store_and_load(backend, pool)
+        registry = prometheus.flush()
+        labels = {"model_name": "prom-model", "tp_rank": "0"}
+        assert registry.get_sample_value("lmcache_vllm:sglang_pages_total", {**labels, "op": "get",
+                                                                              "outcome": "ok"}) == 4
+        assert registry.get_sample_value("lmcache_vllm:chunk_hits_total", {**labels, "tier": "local_disk"}) == 4
+        assert registry.get_sample_value("lmcache_vllm:sglang_call_seconds_count", {**labels, "op": "set"}) == 1
+    finally:
+        backend.close()
+    assert not [t for t in threading.enumerate() if t.name == "lmcache-sglang-metrics"]

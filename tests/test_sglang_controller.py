@@ -20,6 +20,16 @@ S.import_sglang()
 
 from lmcache_vllm.observability import metrics  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def every_backend_closed():
+    """A test that leaves a backend open (its storage thread, its share of the metrics export) fails."""
+    from lmcache_vllm.integration.sglang import prometheus
+
+    yield
+    assert prometheus._export is None or prometheus._export.users == 0, "a backend was left open"
+
+
 PAGES = 4
 
 

@@ -22,8 +22,10 @@ threads (backup, prefetch), never from the scheduler's step; every call returns 
   bytes under the same keys from and into SGLang's flat pages.
 - hybrid models' sidecar pools: `hybrid.HybridPools` (the v2 calls).
 A dead, slow or corrupt tier is a miss or a failed store, counted (`sglang_pages`, and the tiers' own
-metrics), never an exception into SGLang's threads. `clear()` empties every tier; `close()` drains the write
-queue (`close_drain_secs`) and stops the storage thread; `get_stats()` gives SGLang its `StorageMetrics`.
+metrics, in SGLang's /metrics through `prometheus`), never an exception into SGLang's threads. `clear()` empties
+every tier; `close()` drains the write queue (`close_drain_secs`) and stops the storage thread; `get_stats()`
+gives SGLang its `StorageMetrics`. The page copies run on the calling SGLang thread with an OpenMP team of one
+(`_own_thread`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from lmcache_vllm.cpu_affinity import single_threaded_torch
+from lmcache_vllm.integration.sglang import prometheus
 from lmcache_vllm.integration.sglang.config import backend_config
 from lmcache_vllm.integration.sglang.hybrid import HybridPools
 from lmcache_vllm.integration.sglang.keys import PageKeys, Parallelism, model_inputs, page_identity
@@ -73,6 +76,13 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
         self.parallel = Parallelism.of(storage_config)
         self.config = backend_config(getattr(storage_config, "extra_config", None))
         self.manager = StorageManager(self.config)
+        try:
+            self._start(storage_config)
+        except BaseException:
+            self.manager.close()
+            raise
+
+    def _start(self, storage_config: Any) -> None:
         self.timeout = self.config.blocking_timeout_secs
         self.window = max(1, self.config.extra_config.write_queue_depth)
         self.pools: dict[str, PagePool] = {}
@@ -84,6 +94,7 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
         # Every TP rank of one SGLang server is a child of the same launcher: its pid names the instance (P2P).
         self.manager.attach_instance(InstanceIdentity(f"sglang-{socket.gethostname()}-{os.getppid()}",
                                                       self.parallel.tp_rank, self.parallel.tp_size))
+        prometheus.start(str(getattr(storage_config, "model_name", "") or ""), self.parallel.tp_rank)
 
     # ---- registration ------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -295,6 +306,7 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
                 return
             self._closed = True
         self.manager.close()
+        prometheus.stop()
 
 
 def _own_thread() -> None:
