@@ -177,3 +177,66 @@ def test_a_killed_redis_server_is_a_bounded_miss_and_a_failed_backup(redis_serve
     finally:
         redis_server.ensure_running()
         ctl.close()
+
+
+def test_the_redis_cluster_tier(redis_cluster, redis_prefix):
+    pool = S.mha_pool("page_first", seed=15)
+    extra = {"local_cpu": False, "remote_url": redis_cluster.url, "extra_config": {"remote_key_prefix": redis_prefix}}
+    ctl = S.Controller(pool, S.dynamic(extra))
+    try:
+        assert round_trip(ctl, prompt(7)) == (PAGES * S.PAGE, PAGES * S.PAGE, True)
+        assert metrics.value("chunk_hits", tier="redis") == PAGES
+    finally:
+        ctl.close()
+
+
+_PEER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import sglang_support as S
+    pool = S.mha_pool("page_first", seed=31)
+    ctl = S.Controller(pool, S.dynamic(json.loads(sys.argv[2])))
+    tokens = json.loads(sys.argv[3])
+    src = pool.alloc(len(tokens))
+    done = ctl.backup(src, S.page_hashes(tokens))
+    np.save(sys.argv[4], np.stack([p.view(S.torch.int16).numpy() for p in S.pages_of(pool, src)]))
+    print("stored", done, flush=True)
+    sys.stdin.read()  # serves its L1 to peers until the test closes stdin
+    ctl.close()
+""")
+
+
+def test_p2p_pulls_the_pages_another_sglang_instance_holds_in_memory(tmp_path, redis_server, redis_prefix):
+    import json
+
+    p2p = {"local_cpu": True, "max_local_cpu_size": 0.05, "enable_p2p": True,
+           "extra_config": {"p2p_directory_url": redis_server.url, "remote_key_prefix": redis_prefix}}
+    tokens = prompt(8)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, os.path.dirname(__file__), json.dumps(p2p),
+                             json.dumps(tokens), str(tmp_path / "pages.npy")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = peer.stdout.readline()  # bounded by the test timeout; the child fails loudly otherwise
+        assert line.strip() == f"stored {len(tokens)}", peer.stderr.read()[-3000:] if not line else line
+        pool = S.mha_pool("page_first", seed=98)
+        ctl = S.Controller(pool, S.dynamic(p2p))
+        try:
+            deadline = time.monotonic() + 30
+            while (hit := ctl.prefetch(tokens, rid=f"p2p-{time.monotonic()}"))[0] == 0:
+                assert time.monotonic() < deadline, "the peer's pages never showed up in the P2P directory"
+                time.sleep(0.2)
+            read, dst = hit
+            assert read == len(tokens)
+            got = np.stack([p.view(torch.int16).numpy() for p in S.pages_of(pool, dst)])
+            assert np.array_equal(got, np.load(tmp_path / "pages.npy", allow_pickle=False))
+            assert metrics.value("chunk_hits", tier="p2p") == PAGES  # pulled from the peer's memory
+        finally:
+            ctl.close()
+    finally:
+        peer.stdin.close()
+        try:
+            peer.wait(60)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait(10)
