@@ -34,7 +34,8 @@ def backend(tmp_path_factory):
 
 
 @examples(60)
-@given(keys=st.lists(ODD, max_size=5), indices=INDICES, as_float=st.booleans(), op=st.sampled_from(["set", "get", "exists", "flat_set", "flat_get"]))
+@given(keys=st.lists(ODD, max_size=5), indices=INDICES, as_float=st.booleans(),
+       op=st.sampled_from(["set", "get", "exists", "flat_set", "flat_get"]))
 def test_fuzz_controller_arguments_are_answered_per_page_and_never_touch_other_slots(backend, keys, indices,
                                                                                     as_float, op):
     pool = backend.pools["kv"].pages.pool
