@@ -1,5 +1,5 @@
-"""What the backend tells SGLang's own storage metrics (`get_stats()`, asked when SGLang runs with
-`--enable-cache-report`/storage metrics on): pages and GB/s per backup and prefetch call, SGLang's
+"""What the backend tells SGLang's own storage metrics (`get_stats()`, asked when SGLang runs with its metrics on,
+`--enable-metrics`: SGLang's `enable_storage_metrics`): pages and GB/s per backup and prefetch call, SGLang's
 `StorageMetrics` lists; and the time of every call, into our metrics model (`sglang_call_seconds`).
 
 The lists are kept only while SGLang asks for them (`enable_storage_metrics`), and at most `MAX_PENDING` calls
