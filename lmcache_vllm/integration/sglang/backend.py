@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from lmcache_vllm.cpu_affinity import single_threaded_torch
 from lmcache_vllm.integration.sglang import prometheus
-from lmcache_vllm.integration.sglang.config import backend_config
+from lmcache_vllm.integration.sglang.config import backend_config, no_tier
 from lmcache_vllm.integration.sglang.hybrid import HybridPools
 from lmcache_vllm.integration.sglang.keys import PageKeys, Parallelism, model_inputs, page_identity
 from lmcache_vllm.integration.sglang.pages import HostPages, UnsupportedPool
@@ -83,6 +83,8 @@ class LMCacheHiCacheStorage(HybridPools, HiCacheStorage):
             raise
 
     def _start(self, storage_config: Any) -> None:
+        if not self.manager.lower and not self.config.local_cpu:
+            raise no_tier()  # nothing below SGLang's host memory to store pages in
         self.timeout = self.config.blocking_timeout_secs
         self.window = max(1, self.config.extra_config.write_queue_depth)
         self.pools: dict[str, PagePool] = {}

@@ -6,10 +6,9 @@ file (LMCache's names; `extra_config` nested).
 SGLang's own keys in that mapping (`SGLANG_KEYS`: the dynamic loader's `backend_name` / `module_path` /
 `class_name`, `interface_v1`, the host allocator, the controller's prefetch knobs) are not ours and are left
 out; every other key must be one of ours, and everything wrong is one `ConfigError` naming each key and
-"hicache-storage-backend-extra-config" as its source. A configuration without a tier below SGLang's host
-memory (no `local_disk`, `remote_url` or `enable_p2p`, and `local_cpu` off) has nothing to store pages in and
-is refused the same way. Keys that shape vLLM's requests (`chunk_size`, `save_unfull_chunk`, `use_layerwise`,
-`enable_async_loading`, `pd`, ...) mean nothing here: SGLang's page size is the chunk size.
+"hicache-storage-backend-extra-config" as its source (a configuration that builds no tier at all is refused by
+the backend the same way, `no_tier`). Keys that shape vLLM's requests (`chunk_size`, `save_unfull_chunk`,
+`use_layerwise`, `enable_async_loading`, `pd`, ...) mean nothing here: SGLang's page size is the chunk size.
 """
 from __future__ import annotations
 
@@ -35,8 +34,10 @@ def our_keys(extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
 def backend_config(extra: Optional[Mapping[str, Any]], *,
                    environ: Optional[Mapping[str, str]] = None) -> LMCacheConfig:
     """The configuration of the backend (see the module docstring); ConfigError lists every problem."""
-    config = load_config(our_keys(extra), environ=environ, source=SOURCE)
-    if not (config.local_disk or config.remote_url or config.enable_p2p or config.local_cpu):
-        raise ConfigError([Problem("local_disk", MISSING, "SGLang's HiCache storage backend needs a tier to store "
-                                   "pages in: local_disk (with max_local_disk_size), remote_url or enable_p2p")])
-    return config
+    return load_config(our_keys(extra), environ=environ, source=SOURCE)
+
+
+def no_tier() -> ConfigError:
+    return ConfigError([Problem("local_disk", MISSING, "SGLang's HiCache storage backend needs a tier to store pages "
+                                "in: local_disk (with max_local_disk_size), remote_url (Redis, Mooncake) or "
+                                "enable_p2p")])
