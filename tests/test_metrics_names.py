@@ -229,6 +229,13 @@ STABLE = [
     ("pins_released", "counter", ('reason',),
      'Pinned prefixes let go before a later pin (reason: budget, the oldest when '
      'extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)'),
+    ("sglang_pages", "counter", ("op", "outcome"),
+     "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, exists) and outcome (ok: "
+     "stored, loaded into SGLang's host pool or found; missed: not found or not readable in time, a corrupt page "
+     "included; failed: a store no tier took in time; refused: arguments that do not name pages of a registered "
+     "pool, or a pool of a kind it cannot store)"),
+    ("sglang_call_seconds", "histogram", ("op",),
+     "Time of one call of SGLang's HiCache controller into the backend (op: set, get, exists)"),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),

@@ -205,6 +205,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "malformed, unknown, bad_skip_save, bad_pin_tokens, pins_disabled)", ("reason",), scope="engine"),
     _c("pins_released", "prefixes", "Pinned prefixes let go before a later pin (reason: budget, the "
        "oldest when extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)", ("reason",)),
+    # -- SGLang's HiCache storage backend (docs/SGLANG.md): calls of SGLang's cache controller into our tiers
+    _c("sglang_pages", "pages", "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, "
+       "exists) and outcome (ok: stored, loaded into SGLang's host pool or found; missed: not found or not "
+       "readable in time, a corrupt page included; failed: a store no tier took in time; refused: arguments "
+       "that do not name pages of a registered pool, or a pool of a kind it cannot store)", ("op", "outcome")),
+    _h("sglang_call_seconds", "Time of one call of SGLang's HiCache controller into the backend (op: set, get, "
+       "exists)", ("op",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
