@@ -109,6 +109,9 @@ STABLE = [
      'Chunks written to a tier'),
     ("stored_bytes", "counter", ('tier',),
      'Bytes of chunks written to a tier'),
+    ("coded_bytes", "counter", ('tier', 'codec'),
+     "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec after fallbacks: naive, "
+     "lossless, fp8); stored_bytes over it is the compression ratio"),
     ("dropped_stores", "counter", ('reason',),
      'Chunks not stored below L1 or at all: arena_full (no L1 memory for a new chunk), '
      'queue_full (lower-tier write queue full), shutdown (queued at close)'),

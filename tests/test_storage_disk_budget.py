@@ -37,7 +37,8 @@ WRITER = textwrap.dedent('''
     allocator = HostAllocator(1 << 20)
 
     async def main():
-        disk = LocalDiskBackend(LMCacheConfig(local_disk=directory, max_local_disk_size=cap / (1 << 30)))
+        disk = LocalDiskBackend(LMCacheConfig(local_disk=directory, max_local_disk_size=cap / (1 << 30),
+                                              extra_config={"local_disk_serde": "naive"}))
         while go != "-" and not __import__("os").path.exists(go):  # start together with the other writer
             time.sleep(0.01)
         stored = []

@@ -85,7 +85,7 @@ def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis,
         if not isinstance(value, bytes):  # None: removed meanwhile, nothing to report
             return None
         try:
-            codec.verify_payload(header, memoryview(value)[header.header_len:])
+            codec.verify_stored(header, memoryview(value)[header.header_len:])
         except codec.CorruptEntry as exc:
             return str(exc)
     return None
@@ -123,7 +123,7 @@ def _inspect_node(client: redis.Redis, prefix: str, verify: bool, report: TierRe
             except ValueError:
                 report.ignored += 1  # not a chunk key: nothing of ours
                 continue
-            if fmt_version != codec.FORMAT_VERSION:
+            if fmt_version != codec.KEY_FORMAT_VERSION:
                 report.other_format += 1
                 continue
             problem = _judge(rkey, key, length, head, client, verify)

@@ -113,6 +113,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("read_bytes", "bytes", "Bytes of chunks served by a tier", _T),
     _c("stored_chunks", "chunks", "Chunks written to a tier", _T),
     _c("stored_bytes", "bytes", "Bytes of chunks written to a tier", _T),
+    _c("coded_bytes", "bytes", "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec "
+       "after fallbacks: naive, lossless, fp8); stored_bytes over it is the compression ratio",
+       ("tier", "codec")),
     _c("dropped_stores", "chunks", "Chunks not stored below L1 or at all: arena_full (no L1 memory for a "
        "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "

@@ -10,8 +10,9 @@ docs/SCALING.md), with TLS and ACL users.
   each batch's values are decoded (copy into allocator memory + checksum) on a decode thread while the next
   replies are read, which hides the decode behind the transfer. Existence checks are one pipeline of
   EXISTS per node. A redirect (MOVED/ASK during a resharding) is re-sent through redis-py, which follows it.
-- Writes: the value is encoded (copy + checksum) on the codec thread, never on the event loop; a key
-  already present is not written again (one EXISTS first: a shared pool often has it already).
+- Writes: the value is encoded (coded with `remote_serde`, copy + checksum) on the codec thread, never on the
+  event loop; a key already present is not written again (one EXISTS first: a shared pool often has it already).
+  Reads decode every codec (the header names it), on the decode thread.
 - Every call has a timeout, scaled by what it moves: `remote_timeout_secs` per chunk, so one reply of 8
   chunks may take 8 times as long as a single chunk's, and a large legitimate read is never taken for a
   dead server. Each node has its own circuit breaker and in-flight limit (`guard.py`): a node that fails
@@ -87,6 +88,7 @@ class RedisBackend(StorageBackend):
         remember_secret(self.target.password)  # redacted from any text we show from now on
         self.location = self.target.display()  # the URL without its password
         self.mac = mac
+        self.serde = config.remote_serde  # the codec of the values it writes (it reads every codec)
         self.prefix = extra.remote_key_prefix
         self.ttl_ms = int(extra.remote_ttl_secs * 1000) if extra.remote_ttl_secs else None
         self.timeout = extra.remote_timeout_secs
@@ -332,7 +334,7 @@ class RedisBackend(StorageBackend):
         if present:
             return True  # already in the pool (another instance, or written before L1 evicted it)
         value = await asyncio.get_running_loop().run_in_executor(
-            self._encode_pool, codec.encode, key, obj.tensor, self.mac)
+            self._encode_pool, functools.partial(codec.encode, key, obj.tensor, self.mac, coder=self.serde))
         try:
             ok = await guard.call(lambda: self._client.set(rkey, value, px=self.ttl_ms), self.timeout)
         except CallFailed:
@@ -341,6 +343,8 @@ class RedisBackend(StorageBackend):
             kv_events.stored(key, self.name)
             metrics.inc("stored_chunks", tier=self.name)
             metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
+            header = codec.parse_header(value)
+            metrics.inc("coded_bytes", header.payload_len, tier=self.name, codec=header.coder_name)
             metrics.inc("redis_node_stored_chunks", node=guard.name)
         else:
             metrics.inc("failed_writes", tier=self.name)
