@@ -18,9 +18,10 @@ Working set: vLLM's KV cache (`--num-gpu-blocks-override`) holds the requests in
 L1 (`max_local_cpu_size`) a quarter of the conversations' KV (`--l1-fraction`); the rest is on disk (ours)
 or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bound the same way
 (`VLLM_CPU_OMP_THREADS_BIND=0`, our threads on the other cores: `extra_config.background_cpus`): vLLM alone
-(its prefix cache on), ours with defaults (L1 + disk), ours with `save_decode_cache`, ours with L1's
-`cache_policy: LIP`, LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its trace through
-other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
+(its prefix cache on), ours with defaults (L1 + disk, lossless chunk files), ours with `save_decode_cache`, ours
+with L1's `cache_policy: LIP`, ours with raw (`ours_naive`) and fp8 (`ours_fp8`) chunk files (the disk's codec,
+`extra_config.local_disk_serde`), LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its
+trace through other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
 
 Between the client and each server sits a recording proxy (`_chat_trace.py`): it sees every prompt's and
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
@@ -270,7 +271,7 @@ def main() -> None:
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
         p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode ours_lip "
-                       "lmcache")
+                       "ours_naive ours_fp8 lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
         p.add_argument("--turns", type=int, help="user turns per conversation (default 6, --quick 4)")
@@ -316,7 +317,10 @@ def main() -> None:
         tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
         plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
-                ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size))]
+                ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
+                # the disk tier's codec (ours: lossless, the default): raw and lossy against it
+                ("ours_naive", ours({**tiers, "extra_config": {"local_disk_serde": "naive"}}, args.chunk_size)),
+                ("ours_fp8", ours({**tiers, "extra_config": {"local_disk_serde": "fp8"}}, args.chunk_size))]
         common = dict(model=model, w=w, conversations=conversations, script=script, num_blocks=num_blocks,
                       max_model_len=max_model_len, allowed=allowed)
         for name, kv_config in plan:
