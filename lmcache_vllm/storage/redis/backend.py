@@ -94,11 +94,12 @@ class RedisBackend(StorageBackend):
         self.timeout = extra.remote_timeout_secs
         self.read_groups = extra.remote_read_groups
         self.read_batch_keys = extra.remote_read_batch_keys
-        # One thread each: decoding and encoding (memmove + xxh3, both without the GIL) overlap the
-        # loop's socket I/O instead of stalling it.
+        # Decoding and encoding (coder, memmove, xxh3: all without the GIL) overlap the loop's socket I/O instead
+        # of stalling it: one decode thread (it decodes a batch while the next arrives), an encode thread per
+        # concurrent write-through (`write_workers`: lossless codes at ~0.45 GB/s per core).
         self._decode_pool, self._encode_pool = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"lmcache-redis-{job}", initializer=enter_background_cpus)
-            for job in ("decode", "encode"))
+            ThreadPoolExecutor(n, thread_name_prefix=f"lmcache-redis-{job}", initializer=enter_background_cpus)
+            for job, n in (("decode", 1), ("encode", extra.write_workers)))
         settings = ClientSettings.from_extra(extra)
 
         def make_guard(name: str, on_failure: Any = None) -> NodeGuard:
