@@ -232,18 +232,26 @@ def encode_payload(tensor: torch.Tensor, coder: str = NAIVE) -> tuple[PayloadCod
 
 
 class _EncodeRates:
-    """A moving average, per coder, of the raw bytes per second its encodes in this process reached."""
+    """A moving average, per coder, of the raw bytes per second its encodes in this process reached (samples of
+    at least `_SAMPLE` bytes: small chunks are summed until they make one, so call overheads count as they do)."""
+
+    _SAMPLE = 256 << 10
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rates: dict[str, float] = {}
+        self._open: dict[str, tuple[int, float]] = {}  # bytes and seconds of the sample being summed
 
     def observe(self, name: str, nbytes: int, seconds: float) -> None:
-        if nbytes < (256 << 10) or seconds <= 0:  # small chunks measure call overheads
-            return
         with self._lock:
+            total, spent = self._open.get(name, (0, 0.0))
+            total, spent = total + nbytes, spent + seconds
+            if total < self._SAMPLE or spent <= 0:
+                self._open[name] = (total, spent)
+                return
+            self._open.pop(name, None)
             old = self._rates.get(name)
-            self._rates[name] = nbytes / seconds if old is None else 0.7 * old + 0.3 * nbytes / seconds
+            self._rates[name] = total / spent if old is None else 0.7 * old + 0.3 * total / spent
 
     def get(self, name: str) -> Optional[float]:
         with self._lock:
