@@ -20,7 +20,7 @@ disk tier, Redis and a peer, each codec against raw (naive) in the same run.
    the tier's bandwidth is the limit (a remote Redis, a 10 GbE peer, a busy disk), which these reads are not.
 
 The conversation workload (vLLM's multi-turn client, bounded L1 + disk, raw vs lossless vs fp8 chunk files) is
-`benchmarks/bench_conversations.py --only ours_naive ours ours_fp8` (ours = lossless, the default).
+`benchmarks/bench_conversations.py --only ours ours_lossless ours_fp8` (ours: naive chunk files, the default).
 """
 from __future__ import annotations
 

@@ -14,9 +14,7 @@ GiB = 1 << 30
 
 def disk_config(path: str | os.PathLike, max_bytes: int, **extra_config: Any) -> LMCacheConfig:
     """A configuration of the disk tier in `path` capped at `max_bytes` (exactly: a byte count divided by a
-    power of two is an exact float). Its files are naive (their sizes are what the tests of the tier's budget
-    count) unless `local_disk_serde` says otherwise."""
-    extra_config.setdefault("local_disk_serde", "naive")
+    power of two is an exact float)."""
     return LMCacheConfig(local_disk=str(path), max_local_disk_size=max_bytes / GiB, extra_config=extra_config)
 
 

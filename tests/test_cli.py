@@ -192,8 +192,7 @@ def test_inspect_counts_the_kv_cache_groups_of_a_hybrid_model(tmp_path, make_chu
                         group=group).to_str()
 
     keys = [grouped(i, "full.l5.11") for i in range(3)] + [grouped(i, "swa1024.l0-4.6-10") for i in range(2)]
-    fill(LMCacheConfig(max_local_cpu_size=0.01, local_disk=str(tmp_path), max_local_disk_size=0.01,
-                       extra_config={"local_disk_serde": "naive"}),  # (files of one size: counted below)
+    fill(LMCacheConfig(max_local_cpu_size=0.01, local_disk=str(tmp_path), max_local_disk_size=0.01),
          keys + [key("llama", 0)], make_chunk)
     rc, out = run(capsys, "inspect", "--disk", str(tmp_path), "--json")
     report = json.loads(out)

@@ -114,10 +114,10 @@ async def test_redis_instances_with_different_serdes_read_each_others_chunks(red
             await tier.close()
 
 
-def test_remote_serde_default_is_lossless_and_fp8_never_a_default():
+def test_defaults_code_where_it_paid_and_fp8_is_never_one():
     cfg = LMCacheConfig()
-    assert cfg.remote_serde == "lossless" and cfg.extra_config.local_disk_serde == "lossless"
-    assert cfg.extra_config.transfer_serde == "auto"
+    assert cfg.remote_serde == "lossless" and cfg.extra_config.transfer_serde == "auto"
+    assert cfg.extra_config.local_disk_serde == "naive"
 
 
 @pytest.mark.parametrize("setting", ["lossless", "fp8"])

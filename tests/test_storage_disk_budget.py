@@ -37,8 +37,7 @@ WRITER = textwrap.dedent('''
     allocator = HostAllocator(1 << 20)
 
     async def main():
-        disk = LocalDiskBackend(LMCacheConfig(local_disk=directory, max_local_disk_size=cap / (1 << 30),
-                                              extra_config={"local_disk_serde": "naive"}))
+        disk = LocalDiskBackend(LMCacheConfig(local_disk=directory, max_local_disk_size=cap / (1 << 30)))
         while go != "-" and not __import__("os").path.exists(go):  # start together with the other writer
             time.sleep(0.01)
         stored = []

@@ -99,8 +99,10 @@ class ExtraConfig:
     disk_io_threads: int = setting(8, "threads reading chunk files (writes: one thread per write_workers)",
                                    check=POSITIVE_INT)
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
-    local_disk_serde: str = setting("lossless", "codec of the chunk files written to local_disk, as remote_serde "
-                                                "(naive, lossless, fp8); files of every codec are read",
+    local_disk_serde: str = setting("naive", "codec of the chunk files written to local_disk, as remote_serde: "
+                                             "'naive' (a cold read at disk speed beat decoding on 2 busy cores: "
+                                             "docs/CONFIG.md, 'Compression'), 'lossless' (1.47x the chunks in "
+                                             "max_local_disk_size), 'fp8'; files of every codec are read",
                                     choices=SERDES)
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")
