@@ -7,38 +7,31 @@ Layout (little-endian):
                 header length u32 | payload length u64 | payload xxh3_64 u64 | MAC 32 bytes |
                 [format 3: coder u8 | coder argument u8 | reserved u16 (0)] | header xxh32 u32
     key         UTF-8 bytes of the key string
-    shape       ndim x u64
+    shape       ndim x u64 (the decoded tensor's, whatever the coder)
     padding     zeros up to `header length` (disk files pad to 4 KiB so payloads start page-aligned)
-    payload     `payload length` stored bytes: the tensor's bytes in C order (coder `naive`), or what its
-                coder made of them (`lossless`, `fp8`)
+    payload     `payload length` stored bytes: the tensor's bytes in C order (`naive`), or its coder's
 
-Format 3 names the payload's coder; format 2 (every chunk of earlier builds) is a `naive` chunk without that
-field. Both are read. A `naive` chunk is still written as format 2, byte for byte what earlier builds wrote
-and read, so instances of both share a tier as before; only a coded chunk needs format 3 (an earlier build
-takes it for another format: a miss). The shape and dtype in the header are always the decoded tensor's, so
-a reader allocates exactly the chunk its key stands for, whatever the coder; each coder bounds the stored
-length it accepts for that shape (`PayloadCoder.stored_size_ok`) before anything is read or allocated.
-
-The header checksum covers every header byte before it plus the key and shape; the payload checksum is
-xxh3_64 (measured ~19 GB/s on one core here, against ~2.6 GB/s for zlib's crc32, so it costs a few
-percent of disk or network bandwidth) over the stored bytes. Decoding checks magic, format, dtype, key,
-coder, shape against the payload length, both checksums and the bytes actually present, then decodes; any
-mismatch (a coded payload that does not decode included) raises `CorruptEntry`, which callers turn into a
-miss plus removal of the entry. Nothing here unpickles or evaluates anything.
+Format 3 names the payload's coder; format 2 (every chunk of earlier builds) is a `naive` chunk. Both are read;
+a `naive` chunk is still written as format 2, byte for byte what earlier builds wrote and read, so instances of
+both share a tier; only a coded chunk needs format 3 (an earlier build takes it for another format). Each coder
+bounds the stored length it accepts for the header's shape (`PayloadCoder.stored_size_ok`) before anything is
+read or allocated. The header checksum covers the header; the payload checksum (xxh3_64, ~19 GB/s on one core
+here) the stored bytes. Decoding checks magic, format, dtype, key, coder, shape against the payload length, both
+checksums and the bytes present, then decodes; any mismatch (a coded payload that does not decode included)
+raises `CorruptEntry`, which callers turn into a miss plus removal of the entry. Nothing is unpickled.
 
 One entry point for every tier: `encode(key, tensor, mac, coder=...)` (one buffer: Redis and tiers like it)
 or `encode_parts` (header and payload apart: disk files, the wire), and `decode` / `decode_payload_into`,
-which read every coder. A tier only chooses the coder's name (its setting, `coders.CODER_NAMES`); `fp8` falls
-back to `lossless` for chunks it does not apply to, `lossless` to `naive` when it would not shrink a chunk.
+which read every coder. A tier only chooses the coder's name (`coders.CODER_NAMES`); `fp8` falls back to
+`lossless` for chunks it does not apply to, `lossless` to `naive` when it would not shrink a chunk.
 
 Keyed MAC (optional, `ChunkMac`): a checksum only catches accidents; anyone who can write to a shared
 Redis or disk directory can plant a chunk that validates. With a secret configured
 (`extra_config.chunk_mac_key` or the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable), writers fill
 the MAC field with keyed BLAKE3 (key derived from the secret) over the header, MAC field zeroed, and
-the payload; readers with a secret reject (`UnauthenticatedEntry`, a `CorruptEntry`: a counted miss,
+the stored payload; readers with a secret reject (`UnauthenticatedEntry`, a `CorruptEntry`: a counted miss,
 the entry is deleted) any chunk whose MAC does not verify, all-zero MACs of writers without a secret
-included. Readers without a secret ignore the field. Format 2 added the field; format-1 entries are
-not read (another format version). The MAC covers the stored (coded) payload.
+included. Readers without a secret ignore the field. Format-1 entries (before the field) are not read.
 
 A reader that knows which shape and dtype each key's chunk must have (the engine does: `chunk_shape(T)` of
 its layout and the KV dtype) hands the tiers an `ExpectedAlloc`; every tier allocates through `allocate`,
@@ -46,9 +39,9 @@ which refuses a header claiming anything else (`CorruptEntry`) before a byte is 
 header cannot make a read allocate more than the chunk it stands for (and evict L1 to find room).
 
 `decode_into` copies a payload into a preallocated tensor with `ctypes.memmove` (a coded one: its coder
-decodes it there), which releases the GIL (as xxh3 does), so decoding on a worker thread overlaps the event
-loop's socket reads; `payload_view` exposes a tensor's bytes so readers (`os.preadv`) can fill a `MemoryObj`
-without an intermediate buffer (coded payloads are read into a buffer of their own first, `payload_buffer`).
+decodes it there) without the GIL, so decoding on a worker thread overlaps the event loop's socket reads;
+`payload_view` exposes a tensor's bytes so readers (`os.preadv`) fill a `MemoryObj` without an intermediate
+buffer (a coded payload is read into one of its own first, `payload_buffer`).
 """
 
 from __future__ import annotations

@@ -23,14 +23,14 @@ caller's `CorruptEntry`). Both release the GIL for their bulk work (blosc2 with 
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-import blosc2
 import numpy as np
 import torch
 
@@ -40,7 +40,16 @@ NAIVE, LOSSLESS, FP8 = "naive", "lossless", "fp8"
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 _FP8_SOURCES = (torch.float16, torch.bfloat16, torch.float32)
 _LOSSLESS_BLOCK = 1 << 20
-blosc2.set_releasegil(True)  # compress and decompress without the GIL (process-wide in blosc2)
+
+
+@functools.cache
+def _blosc2() -> Any:
+    """blosc2, imported on first use (~0.4 s: processes that never code a chunk, vLLM's API server among them,
+    import this module through the wire format), set to compress and decompress without the GIL."""
+    import blosc2
+
+    blosc2.set_releasegil(True)  # (process-wide in blosc2)
+    return blosc2
 
 
 class BadPayload(ValueError):
@@ -94,6 +103,7 @@ class Lossless(PayloadCoder):
         raw = _bytes_of(tensor)
         if not raw.nbytes or raw.nbytes >= (1 << 31) - self._OVERHEAD:  # blosc2 chunks hold < 2 GiB
             return None
+        blosc2 = _blosc2()
         stored = blosc2.compress2(raw, codec=blosc2.Codec.ZSTD, clevel=1, typesize=tensor.element_size(),
                                   filters=[blosc2.Filter.SHUFFLE], splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
                                   blocksize=_LOSSLESS_BLOCK, nthreads=1)
@@ -104,6 +114,7 @@ class Lossless(PayloadCoder):
 
     def decode_into(self, stored: Buffer, arg: int, out: torch.Tensor) -> None:
         dest = _bytes_of(out)
+        blosc2 = _blosc2()
         head = bytes(memoryview(stored)[:self._OVERHEAD])  # (both read the chunk's header only)
         try:
             nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(head)
