@@ -12,7 +12,7 @@ import redis.cluster
 
 from lmcache_vllm import cli
 from lmcache_vllm.config import LMCacheConfig
-from lmcache_vllm.storage.codec import KEY_FORMAT_VERSION
+from lmcache_vllm.storage.codec import FORMAT_VERSION
 from lmcache_vllm.storage.local_disk import filename_for
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.tokens import CacheKey
@@ -21,7 +21,7 @@ CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
 
 
 def key(model: str, i: int, fingerprint: str = "ab12") -> str:
-    return CacheKey(model, 1, 0, "bfloat16", KEY_FORMAT_VERSION, i.to_bytes(16, "big"),
+    return CacheKey(model, 1, 0, "bfloat16", FORMAT_VERSION, i.to_bytes(16, "big"),
                     fingerprint=fingerprint).to_str()
 
 
@@ -188,7 +188,7 @@ def test_stats_reads_our_metrics_from_an_exposition(capsys):
 
 def test_inspect_counts_the_kv_cache_groups_of_a_hybrid_model(tmp_path, make_chunk, capsys):
     def grouped(i: int, group: str) -> str:
-        return CacheKey("gemma3", 1, 0, "bfloat16", KEY_FORMAT_VERSION, i.to_bytes(16, "big"), fingerprint="ef56",
+        return CacheKey("gemma3", 1, 0, "bfloat16", FORMAT_VERSION, i.to_bytes(16, "big"), fingerprint="ef56",
                         group=group).to_str()
 
     keys = [grouped(i, "full.l5.11") for i in range(3)] + [grouped(i, "swa1024.l0-4.6-10") for i in range(2)]

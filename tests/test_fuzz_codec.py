@@ -93,12 +93,12 @@ def crafted(draw):
     payload_len = _pick(sel[13], words[1], 4096, numel * itemsize) % 2**64
     payload = bytes(min(payload_len, 4096)) if words[12] % 3 else draw(st.binary(max_size=256))
     header_len = None if words[13] % 4 else _pick(sel[10], words[10], 2**16, 4096) % 2**32
-    fmt = (codec.NAIVE_FORMAT, codec.FORMAT_VERSION)[words[11] % 2] if words[11] % 16 > 1 else words[11] % 2**16
+    fmt = (codec.FORMAT_VERSION, codec.CODED_FORMAT_VERSION)[words[11] % 2] if words[11] % 16 > 1 else words[11] % 2**16
     key = KEY if words[9] % 8 else draw(st.text(max_size=40))
     # a coded chunk: a coder (mostly a real one), its argument and the reserved field, and a payload of the
     # length its header claims: random bytes for blosc2 and the fp8 decoder to chew on
     coder = (words[8] % 4, (words[8] >> 8) % 8 if words[8] % 3 else 6, 0 if words[8] % 11 else words[8] >> 32 & 0xFFFF)
-    if fmt == codec.FORMAT_VERSION and payload_len <= 4096 and words[12] % 3 == 0:
+    if fmt == codec.CODED_FORMAT_VERSION and payload_len <= 4096 and words[12] % 3 == 0:
         payload = draw(st.binary(min_size=payload_len, max_size=payload_len))
     return craft_chunk(key, shape, dtype_code=dtype_code, payload=payload, payload_len=payload_len,
                        header_len=header_len, fmt=fmt, coder=coder)
@@ -197,8 +197,8 @@ def test_damaged_coded_payloads():
 
 @examples(1000)
 @given(st.one_of(st.binary(max_size=512), st.binary(max_size=64).map(lambda b: codec.MAGIC + b),
-                 st.binary(max_size=200).map(lambda b: codec.MAGIC + struct.pack("<H", codec.NAIVE_FORMAT) + b),
-                 st.binary(max_size=200).map(lambda b: codec.MAGIC + struct.pack("<H", codec.FORMAT_VERSION) + b)))
+                 *(st.binary(max_size=200).map(lambda b, fmt=fmt: codec.MAGIC + struct.pack("<H", fmt) + b)
+                   for fmt in codec.READABLE_FORMATS)))
 def _random_bytes(buf):
     check_decode(buf)
     check_decode(buf, key=None)

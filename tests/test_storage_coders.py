@@ -57,7 +57,7 @@ def test_golden_format_2_chunks_of_earlier_builds_read_and_naive_writes_them_unc
     assert torch.equal(decoded(GOLDEN_MAC, arena, mac=codec.ChunkMac("golden")), GOLDEN_TENSOR)
     assert bytes(codec.encode(KEY, GOLDEN_TENSOR)) == GOLDEN
     assert bytes(codec.encode(KEY, GOLDEN_TENSOR, mac=codec.ChunkMac("golden"))) == GOLDEN_MAC
-    assert codec.read_format_version(GOLDEN) == codec.NAIVE_FORMAT == 2
+    assert codec.read_format_version(GOLDEN) == codec.FORMAT_VERSION == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
@@ -66,7 +66,7 @@ def test_lossless_is_exact_smaller_and_named_in_the_header(dtype, arena):
         (torch.arange(4 * 2 * 32 * 128) % 7).to(torch.uint8).reshape(4, 2, 32, 128)
     buf = codec.encode(KEY, src, coder="lossless")
     header = codec.parse_header(buf, KEY)
-    assert codec.read_format_version(buf) == codec.FORMAT_VERSION == 3
+    assert codec.read_format_version(buf) == codec.CODED_FORMAT_VERSION == 3
     assert header.coder_name == "lossless" and header.payload_len < src.numel() * src.element_size()
     assert torch.equal(decoded(buf, arena).view(torch.uint8), src.view(torch.uint8))
 

@@ -123,7 +123,7 @@ def _inspect_node(client: redis.Redis, prefix: str, verify: bool, report: TierRe
             except ValueError:
                 report.ignored += 1  # not a chunk key: nothing of ours
                 continue
-            if fmt_version != codec.KEY_FORMAT_VERSION:
+            if fmt_version != codec.FORMAT_VERSION:
                 report.other_format += 1
                 continue
             problem = _judge(rkey, key, length, head, client, verify)

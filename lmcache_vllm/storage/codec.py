@@ -68,16 +68,17 @@ if TYPE_CHECKING:
 ChunkBytes = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"LMCV"
-FORMAT_VERSION = 3  # the newest format this build writes (coded chunks; naive ones: NAIVE_FORMAT)
-NAIVE_FORMAT = 2  # naive chunks, as every earlier build wrote and reads them
-READABLE_FORMATS = (NAIVE_FORMAT, FORMAT_VERSION)
-KEY_FORMAT_VERSION = 2  # the "stored format" in chunk keys: what a decoded chunk holds (unchanged by coders)
+# Format 2: naive chunks, as every earlier build wrote and reads them; also the "stored format" in chunk keys
+# (`tokens.CacheKey`: what a decoded chunk holds, the same whatever its coder, so old files keep their keys).
+FORMAT_VERSION = 2
+CODED_FORMAT_VERSION = 3  # a chunk whose header names its coder (lossless, fp8)
+READABLE_FORMATS = (FORMAT_VERSION, CODED_FORMAT_VERSION)
 MAC_SIZE = 32
 _NO_MAC = bytes(MAC_SIZE)
 # magic, fmt, dtype, key_len, ndim, header_len, payload_len, xxh3, MAC (+ format 3: coder, argument, reserved)
 _FIXED2 = struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}s")
 _CODER = struct.Struct("<BBH")
-_FIXED = {NAIVE_FORMAT: _FIXED2, FORMAT_VERSION: struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}sBBH")}
+_FIXED = {FORMAT_VERSION: _FIXED2, CODED_FORMAT_VERSION: struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}sBBH")}
 _MAC_OFFSET = _FIXED2.size - MAC_SIZE
 _HEADER_SUM = struct.Struct("<I")
 FIXED_SIZE = _FIXED2.size + _HEADER_SUM.size  # of a format-2 header (a format-3 one: + _CODER.size)
@@ -235,7 +236,7 @@ def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
         payload_checksum = checksum(payload)
     shape = tuple(tensor.shape)
     body = key_bytes + struct.pack(f"<{len(shape)}Q", *shape)
-    fmt = FORMAT_VERSION if coder.code else NAIVE_FORMAT
+    fmt = CODED_FORMAT_VERSION if coder.code else FORMAT_VERSION
     extra = (coder.code, arg, 0) if coder.code else ()
     header_len = _align_up(_FIXED[fmt].size + _HEADER_SUM.size + len(body), align)
     fields = (MAGIC, fmt, _DTYPE_CODES[tensor.dtype], len(key_bytes), len(shape), header_len, nbytes,
@@ -309,7 +310,7 @@ def parse_header(buf: ChunkBytes, expected_key: Optional[str] = None) -> ChunkHe
     if dtype is None:
         raise CorruptEntry(f"unknown dtype code {dtype_code}")
     coder = BY_CODE.get(coder_code)
-    if coder is None or reserved or (fmt == FORMAT_VERSION and not coder_code):
+    if coder is None or reserved or (fmt == CODED_FORMAT_VERSION and not coder_code):
         raise CorruptEntry(f"unknown chunk coder {coder_code} (reserved field {reserved})")
     try:
         key = body[:key_len].decode("utf-8")

@@ -96,7 +96,7 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     TP and PP size and rank; for a model with several KV cache groups (`plan`) a `GroupedEngine`."""
     from lmcache_vllm.engine import CacheEngine
     from lmcache_vllm.integration.vllm.kv_layout import layout_for
-    from lmcache_vllm.storage.codec import KEY_FORMAT_VERSION
+    from lmcache_vllm.storage.codec import FORMAT_VERSION
     from lmcache_vllm.storage.registry import chunk_mac
     from lmcache_vllm.tokens import ChunkHasher, KeyBuilder
 
@@ -108,7 +108,7 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     logger.info("cache keys of this model: %s@%s (fingerprint of its effective config, revision, dtypes, "
                 "weights signature and namespace)", identity.name, identity.fingerprint)
     keys = KeyBuilder(model=identity.name, world_size=layout.tp_size, rank=layout.tp_rank,
-                      kv_dtype=caches[0].dtype, fmt_version=KEY_FORMAT_VERSION, hasher=hasher,
+                      kv_dtype=caches[0].dtype, fmt_version=FORMAT_VERSION, hasher=hasher,
                       fingerprint=identity.fingerprint, pp_size=layout.pp_size, pp_rank=layout.pp_rank)
     if plan is not None and plan.multi and kv_cache_config is not None:
         return build_grouped_engine(config, vllm_config, kv_caches, kv_cache_config, plan.groups, keys)
