@@ -121,7 +121,7 @@ def test_defaults_code_where_it_paid_and_fp8_is_never_one():
 
 
 @pytest.mark.parametrize("setting", ["lossless", "fp8"])
-def test_a_pd_pull_of_coded_chunks_decodes_them_on_the_decode_side(setting, make_chunk):
+def test_a_pd_pull_of_coded_chunks_decodes_them_on_the_decode_side(setting):
     side = Prefill()
     side.holds.serde = setting
     tensors = [kv_like(CHUNK, seed=i) for i in range(3)]
