@@ -104,10 +104,10 @@ class Checkout:
     state: HoldState
     objs: list[MemoryObj] = field(default_factory=list)  # READY: the prefix asked for, a reference each
     headers: tuple[bytes, ...] = ()  # READY: their wire headers
-    payloads: tuple[Optional[ChunkBytes], ...] = ()  # READY: coded payloads (None or missing: the tensor's bytes)
     keys: tuple[str, ...] = ()  # READY: their keys
     first_held_key: str = ""  # READY: the hold's first key (to say what differs, never sent)
     expires_in: float = 0.0  # READY: seconds left of the hold's lease
+    payloads: tuple[Optional[ChunkBytes], ...] = ()  # READY: coded payloads (None or missing: the tensor's bytes)
 
 
 class PeerHolds:
@@ -216,8 +216,8 @@ class PeerHolds:
             for obj in objs:
                 obj.ref_up()
             return Checkout(HoldState.READY, objs, tuple(hold.headers[i] for i in indexes),
-                            tuple(hold.payloads[i] for i in indexes), tuple(held_keys[i] for i in indexes),
-                            held_keys[0] if held_keys else "", hold.deadline - self._clock())
+                            tuple(held_keys[i] for i in indexes), held_keys[0] if held_keys else "",
+                            hold.deadline - self._clock(), payloads=tuple(hold.payloads[i] for i in indexes))
 
     def sent(self, objs: Sequence[MemoryObj]) -> None:
         """Hands back checked-out chunks (their sends are over or cut off)."""
