@@ -283,6 +283,9 @@ def main() -> None:
                        "exponential pause after each request (default 1, --quick 2; 0: none)")
         p.add_argument("--l1-fraction", type=float, default=0.25, help="our L1 (and LMCache's) as a fraction of "
                        "the conversations' KV (default 0.25)")
+        p.add_argument("--disk-fraction", type=float, default=None, help="our disk tier as a fraction of the "
+                       "conversations' KV (default: 8 GiB, never full): below 1, the disk's codec decides how much "
+                       "of it stays (--only ours ours_lossless ours_fp8)")
         p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server, client and LMCache logs)")
         p.add_argument("--free-answers", action="store_true", help="let the random-weight model generate any "
                        "token (its answers then do not tokenise back to the same ids)")
@@ -318,7 +321,9 @@ def main() -> None:
                                                   + 4 * w.turns * w.question_tokens))
         conversations = tmp / "conversations.json"
         conversations.write_text(json.dumps(generator_config(w, text)))
-        tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
+        disk_gib = 8.0 if args.disk_fraction is None else \
+            round(args.disk_fraction * w.working_set_tokens() * per_token / (1 << 30), 4)
+        tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": disk_gib}
         plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
                 ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
