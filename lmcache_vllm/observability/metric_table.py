@@ -121,12 +121,14 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "eviction the compressed cold part of L1 had no time to code)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
        "the tier, Redis down or its breaker open)", _T),
-    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis "
+    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake "
        "down or its breaker open); answered as misses", _T),
     _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
        "were deleted", _T),
     _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
        "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
+    _c("lost_chunks", "chunks", "Chunks a tier listed but could not read back (Mooncake: evicted since, or their "
+       "storage host died; such an entry is removed): answered as misses", _T),
     _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
     _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
     _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "
@@ -207,6 +209,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "malformed, unknown, bad_skip_save, bad_pin_tokens, pins_disabled)", ("reason",), scope="engine"),
     _c("pins_released", "prefixes", "Pinned prefixes let go before a later pin (reason: budget, the "
        "oldest when extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)", ("reason",)),
+    # -- SGLang's HiCache storage backend (docs/SGLANG.md): calls of SGLang's cache controller into our tiers
+    _c("sglang_pages", "pages", "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, "
+       "exists) and outcome (ok: stored, loaded into SGLang's host pool or found; missed: not found or not "
+       "readable in time, a corrupt page included; failed: a store no tier took in time; refused: arguments "
+       "that do not name pages of a registered pool, or a pool of a kind it cannot store)", ("op", "outcome")),
+    _h("sglang_call_seconds", "Time of one call of SGLang's HiCache controller into the backend (op: set, get, "
+       "exists)", ("op",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),
