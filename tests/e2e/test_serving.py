@@ -31,7 +31,7 @@ SERVE_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager
               "--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 HIT_PROMPT = h.random_tokens(90, 1300)  # 5 chunks: vLLM's prefix cache serves a repeat 1280 tokens too
 DECODE_PROMPT = h.random_tokens(91, 300)
-PAUSE_S = 2.5
+PAUSE_S = 4.0  # long enough that a step stalled on Redis stands out from a busy machine's noise
 STORED = "lmcache_vllm:stored_chunks_total"
 
 
@@ -113,10 +113,11 @@ def test_frozen_redis_delays_only_the_request_that_waits_for_it(tiny_model, tmp_
         assert serving.cached_tokens(waited) == 1280
         assert waited_s > PAUSE_S * 0.6
         # ... while the decode went on: no gap anywhere near the freeze (a step stalled on Redis would
-        # show one of ~PAUSE_S; the normal gap here is tens of milliseconds).
+        # show one of ~PAUSE_S; the normal gap here is tens of milliseconds, and up to about a second when
+        # other processes take the 2 cores: seen once on a shared machine).
         gaps = [b - a for a, b in zip(decode_times, decode_times[1:]) if b >= frozen_from and a <= frozen_to]
         assert gaps and decode_times[-1] > frozen_to, "the decode did not span the freeze"
-        assert max(gaps) < 1.0, f"largest inter-token gap during the freeze: {max(gaps):.2f}s"
+        assert max(gaps) < PAUSE_S / 2, f"largest inter-token gap during the freeze: {max(gaps):.2f}s"
         metrics = serving.wait_for(base, lambda m: m.get(("lmcache_vllm:async_load_requests_total", ""), 0) >= 1)
         assert metrics[("lmcache_vllm:async_load_requests_total", "")] >= 1
         assert metrics.get(("lmcache_vllm:pending_lookups_total", ""), 0) >= 1
