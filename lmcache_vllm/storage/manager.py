@@ -138,13 +138,14 @@ class StorageManager(LowerTierReads):
     def _l1_prefix(self, keys: Sequence[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self.l1.contains_sync(k)), len(keys))
 
-    def put(self, key: KeyLike, obj: MemoryObj) -> None:
-        """Stores `obj` under `key`: L1 now, lower tiers through the bounded write queue."""
+    def put(self, key: KeyLike, obj: MemoryObj, tenant: str = "") -> None:
+        """Stores `obj` under `key`: L1 now (counted for `tenant`, a cache_salt), lower tiers through the bounded
+        write queue."""
         if self._closed:
             return
         k = _key_str(key)
         known = self.l1.keep_entries and self.l1.contains_sync(k)
-        self.l1.put_sync(k, obj)
+        self.l1.put_sync(k, obj, tenant)
         if not self.lower or (known and not self._writes.failed(k)):
             return  # written through when it was first stored (or read from below); a failed write is retried
         with self._lock:
@@ -234,11 +235,13 @@ class StorageManager(LowerTierReads):
         return found
 
     def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
-            lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None) -> list[MemoryObj]:
+            lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None,
+            tenant: str = "") -> list[MemoryObj]:
         """The longest prefix of `keys` found in any tier; each object carries a ref for the caller.
         With `owner` (a prefetch's `handle.owner`) that prefetch's holds become the caller's refs.
         `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier). `expected`:
-        the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`)."""
+        the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`); `tenant`:
+        whose chunks promoted into L1 count as (`tenants.py`)."""
         ks = [_key_str(k) for k in keys]
         out = self._take_held(ks, owner) if owner is not None else []
         for k in ks[len(out):]:
@@ -257,7 +260,7 @@ class StorageManager(LowerTierReads):
             return out
         handoff = Handoff()
         specs = dict(zip(ks, expected)) if expected is not None else None
-        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff, specs), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff, specs, tenant), self._loop)
         lower = handoff.take(self.get_timeout)
         if lower is None:
             fut.cancel()
@@ -281,12 +284,12 @@ class StorageManager(LowerTierReads):
         return out
 
     def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None,
-                 expected: Optional[Sequence[ChunkSpec]] = None) -> PrefetchHandle:
+                 expected: Optional[Sequence[ChunkSpec]] = None, tenant: str = "") -> PrefetchHandle:
         """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
         is (`handle.located()`), reads that into L1 and holds it too. Holds last until a `get` with
         `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass. `peer`: a tier of
         this request only (a prefill instance's chunks, `transfer/client.py`), read before the lower tiers.
-        `expected`: as for `get`."""
+        `expected`, `tenant`: as for `get`."""
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
@@ -312,9 +315,89 @@ class StorageManager(LowerTierReads):
         metrics.inc("prefetches")
         handle = PrefetchHandle(None, n, release, owner, lower_pending=True)
         specs = dict(zip(ks, expected)) if expected is not None else None
-        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs),
+        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs, tenant),
                                                        self._loop))
         return handle
+
+    # ---- management (docs/MANAGEMENT.md): where chunks are, deletes, warm-ups -----------------------------
+    def where(self, keys: Sequence[KeyLike], timeout: float) -> list[list[str]]:
+        """The tiers of this instance holding each key: L1, then each lower tier keeping payloads (a P2P
+        directory says where others are: not asked). A tier that does not answer within `timeout` holds nothing."""
+        ks = [_key_str(k) for k in keys]
+        out = [[self.l1.name.value] if present else [] for present in self.l1.contains_many_sync(ks)]
+        tiers = [t for t in self.lower if t.holds_payloads]
+        if not ks or not tiers or self._closed:
+            return out
+
+        async def ask() -> list[list[bool] | BaseException]:
+            return await asyncio.wait_for(asyncio.gather(*(t.contains(ks) for t in tiers), return_exceptions=True),
+                                          timeout)
+
+        fut = asyncio.run_coroutine_threadsafe(ask(), self._loop)
+        try:
+            answers = fut.result(timeout + 1.0)
+        except Exception:
+            fut.cancel()
+            metrics.inc("storage_timeouts", op="lookup")
+            return out
+        for tier, found in zip(tiers, answers):
+            if isinstance(found, BaseException):
+                continue
+            for held, present in zip(out, found):
+                if present:
+                    held.append(tier.name.value)
+        return out
+
+    def remove(self, keys: Sequence[KeyLike], *, l1: bool, lower: bool, force: bool,
+               keep: Callable[[str], bool] = lambda key: False, timeout: float = 10.0) -> tuple[int, int]:
+        """Deletes `keys` from L1 and/or the lower tiers that keep payloads: (chunks deleted, L1 chunks skipped).
+        Without `force`, an L1 chunk someone holds (a pin, a load, a send) or `keep(key)` names is skipped; with it,
+        the chunk leaves the index at once and its memory when its holders let go. The lower tiers go first, so
+        that a P2P listing kept for the disk (p2p_serve_disk) is withdrawn with L1's."""
+        ks = [_key_str(k) for k in keys]
+        deleted = skipped = 0
+        tiers = [t for t in self.lower if t.holds_payloads] if lower and not self._closed else []
+        if tiers and ks:
+            async def drop() -> int:
+                count = 0
+                for tier in tiers:
+                    present = await tier.contains(ks)
+                    for key, held in zip(ks, present):
+                        if held:
+                            await tier.remove(key)
+                            count += 1
+                return count
+
+            fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(drop(), timeout), self._loop)
+            try:
+                deleted += fut.result(timeout + 1.0)
+            except Exception:
+                fut.cancel()
+                logs.warn(logger, "management_delete_failed", "deleting from the lower tiers did not finish",
+                          exc_info=True)
+        if l1:
+            for key in ks:
+                obj = self.l1.get_sync(key)
+                if obj is None:
+                    continue
+                busy = obj.ref_count > 2  # the index's reference and ours: anything more is someone's hold
+                obj.ref_down()
+                if not force and (busy or keep(key)):
+                    skipped += 1
+                    continue
+                deleted += int(self.l1.remove_sync(key))
+        return deleted, skipped
+
+    def warm(self, keys: Sequence[KeyLike], expected: Optional[Sequence[ChunkSpec]] = None, tenant: str = "",
+             timeout: float = 60.0) -> "concurrent.futures.Future[list[bool]]":
+        """Starts a warm-up of `keys` into L1 (`reads._warm`); its future says which keys it brought in."""
+        ks = [_key_str(k) for k in keys]
+        if self._closed:
+            done: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
+            done.set_result([False] * len(ks))
+            return done
+        specs = dict(zip(ks, expected)) if expected is not None else None
+        return asyncio.run_coroutine_threadsafe(self._warm(ks, specs, tenant, timeout), self._loop)
 
     def clear(self, lower_tiers: bool = True) -> bool:
         """Empties L1, prefetch holds included (and the lower tiers unless `lower_tiers` is False);
