@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("vllm")  # the hints travel in vLLM's connector metadata
 
@@ -18,6 +17,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig, load_config  # noqa: E402
+from lmcache_vllm.extra_keys import for_salt  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PinSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.request_hints import (  # noqa: E402
     NO_HINTS,
@@ -27,7 +27,6 @@ from lmcache_vllm.integration.vllm.request_hints import (  # noqa: E402
 )
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.worker import WorkerHalf  # noqa: E402
-from lmcache_vllm.extra_keys import for_salt  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 from lmcache_vllm.storage.pins import PinLedger  # noqa: E402
 

@@ -171,7 +171,8 @@ class InstanceApi:
             "active_prefetch_jobs": len(self._prefetches),
             "storage_manager": {
                 "is_healthy": True,
-                "l1": {name: sum(i["l1"][name] for i in infos) for name in ("used_bytes", "capacity_bytes", "chunks")},
+                "l1": {name: sum(i["l1"][name] for i in infos)
+                       for name in ("used_bytes", "capacity_bytes", "chunks", "held_chunks")},
                 "lower": list(lower.values())},
             "pins": {"enabled": all(i["pins_enabled"] for i in infos), "count": sum(i["pins"] for i in infos),
                      "bytes": sum(i["pinned_bytes"] for i in infos)},

@@ -75,6 +75,8 @@ class KeySpace:
             raise ValueError(f"not a key space: {exc}") from None
         if not all(isinstance(n, str) for n in space.model_names):
             raise ValueError("not a key space: model_names")
+        if not 1 <= space.world_size <= 255:  # LMCache's kv_rank has 8 bits for it
+            raise ValueError("not a key space: world_size")
         return space
 
     @property

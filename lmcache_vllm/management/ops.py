@@ -114,7 +114,7 @@ class RankOps:
                  for t in self.storage.lower if t.holds_payloads]
         return {"space": self.space.to_json(), "rank": self.engine.keys.template.rank,
                 "l1": {"used_bytes": l1.allocator.used_bytes, "capacity_bytes": l1.allocator.capacity,
-                       "chunks": len(l1)},
+                       "chunks": len(l1), "held_chunks": l1.held_count()},
                 "lower": lower, "pinned_bytes": self.ledger.pinned_bytes if self.ledger is not None else 0,
                 "pins": len(self.ledger) if self.ledger is not None else 0,
                 "pins_enabled": self.ledger is not None and self.ledger.enabled,

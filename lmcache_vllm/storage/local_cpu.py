@@ -140,6 +140,11 @@ class LocalCPUBackend(StorageBackend):
             metrics.inc("quota_evictions", evicted, tier=self.name)
         return evicted
 
+    def held_count(self) -> int:
+        """Chunks someone holds beside the index (a pin, a load, a prefetch, a send): what cannot be evicted."""
+        with self._lock:
+            return sum(1 for obj in self._index.values() if obj.ref_count > 1)
+
     def keys_page(self, offset: int, limit: int) -> tuple[int, list[str]]:
         """(how many keys L1 indexes, `limit` of them from `offset` in index order): a listing for operators."""
         with self._lock:
