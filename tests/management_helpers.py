@@ -117,10 +117,10 @@ def start_instance(instance_id: str = "inst-a", coordinator: Optional[str] = Non
 class Coordinator:
     """`lmcache-vllm coordinator` as a child process on a free loopback port."""
 
-    def __init__(self, redis_url: str, token_file: Path, prefix: str, log: Path, **flags: Any):
+    def __init__(self, redis_url: str, token_file: Path, prefix: str, log: Path, port: int = 0, **flags: Any):
         from lmcache_vllm.integration.vllm.testing.openai_server import free_port, launcher
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [*launcher(), "coordinator", "--port", str(self.port), "--redis-url", redis_url, "--token-file",
                 str(token_file), "--prefix", prefix, "--move-poll-interval", "0.1"]

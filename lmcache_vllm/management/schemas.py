@@ -213,13 +213,16 @@ class MoveBody(Body):
 
 
 class QuotaBody(Body):
+    """A coordinator quota. LMCache's default tier is l2 (its shared store); ours is l1, the only tier quotas
+    are enforced on (an explicit l2 is refused)."""
+
     limit_gb: GiB
-    tier: Literal["l1", "l2"] = "l2"
+    tier: Literal["l1", "l2"] = "l1"
 
 
 class QuotaConfigBody(Body):
     default_limit_gb: Optional[GiB] = None
-    tier: Literal["l1", "l2"] = "l2"
+    tier: Literal["l1", "l2"] = "l1"
 
 
 def gib(nbytes: int) -> float:

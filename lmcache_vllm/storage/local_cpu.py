@@ -140,6 +140,11 @@ class LocalCPUBackend(StorageBackend):
             metrics.inc("quota_evictions", evicted, tier=self.name)
         return evicted
 
+    def enforce_quotas(self) -> int:
+        """`enforce_quota` of every tenant past its quota (the storage loop's periodic check: chunks a store or
+        its write-through still held when they were indexed can go once they are let go)."""
+        return sum(self.enforce_quota(tenant) for tenant in self.tenants.limits() if self.tenants.over(tenant))
+
     def held_count(self) -> int:
         """Chunks someone holds beside the index (a pin, a load, a prefetch, a send): what cannot be evicted."""
         with self._lock:

@@ -55,6 +55,7 @@ from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
 
+QUOTA_CHECK_S = 1.0
 KeyLike = Union[str, Any]  # a key string or a CacheKey (anything with to_str())
 
 
@@ -90,6 +91,7 @@ class StorageManager(LowerTierReads):
         if self.lower:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._check_quotas()))
         self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -103,6 +105,18 @@ class StorageManager(LowerTierReads):
 
     def _start_writer(self) -> None:
         self._writers.append(self._loop.create_task(self._writer()))
+
+    async def _check_quotas(self) -> None:
+        """Every `QUOTA_CHECK_S`: tenants past their L1 quota lose their least recently used chunks (a store evicts
+        at once what is free then; its own chunks, still held while stored, go at the next check)."""
+        while True:
+            await asyncio.sleep(QUOTA_CHECK_S)
+            if not self.l1.tenants.limits():
+                continue
+            try:
+                self.l1.enforce_quotas()
+            except Exception:  # never a dead loop task: the next check tries again
+                logs.warn(logger, "quota_check_failed", "enforcing the L1 quotas failed", exc_info=True)
 
     async def _put_timed(self, tier: StorageBackend, key: str, obj: MemoryObj) -> bool:
         t0 = time.perf_counter()
