@@ -15,6 +15,8 @@ import uuid
 from typing import Any, Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from management_helpers import (
     MODEL,
     TOKEN,
@@ -26,6 +28,7 @@ from management_helpers import (
     write_token,
 )
 from test_engine import CHUNK
+from test_management_api import bad_bodies
 
 from lmcache_vllm.config.remote_url import parse_remote_url
 from lmcache_vllm.extra_keys import for_salt
@@ -348,3 +351,22 @@ def test_the_cli_looks_up_pins_and_deletes_through_the_coordinator(fleet, pair):
     assert out.returncode == 0 and "affected" in out.stdout and a.engine.lookup(PROMPT, for_salt("cli")) == 0
     assert cli("move", *common, "--instance", a.api.instance_id).returncode == 1  # no --to
     assert cli("lookup", "--model", MODEL).returncode == 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bad_bodies(), route=st.sampled_from([("POST", "/cache/pins"), ("DELETE", "/cache/pins"),
+                                                  ("POST", "/cache/delete"), ("POST", "/cache/moves"),
+                                                  ("POST", "/cache/prefetches"), ("POST", "/directory/lookup"),
+                                                  ("POST", "/instances"), ("PUT", "/quota/z")]))
+def test_what_others_can_send_the_coordinator_gets_a_4xx_and_changes_nothing(fleet, body, route):
+    def snapshot() -> Any:
+        return (coord(fleet, "GET", "/cache/pins")[1], coord(fleet, "GET", "/quota")[1]["by_cache_salt"],
+                {i["instance_id"] for i in coord(fleet, "GET", "/instances")[1]["instances"]})
+
+    before = snapshot()
+    method, path = route
+    status, got = coord(fleet, method, path, raw=body[1]) if isinstance(body, tuple) else \
+        coord(fleet, method, path, body)
+    assert 400 <= status < 500, (body, status, got)
+    after = snapshot()
+    assert after[:2] == before[:2] and after[2] <= before[2]  # (an instance of an earlier test may leave)

@@ -226,7 +226,7 @@ def test_a_write_without_the_token_changes_nothing(inst, method, path, body):
     assert metrics.value("management_requests", route=f"{method} {template}", code="401") >= 3
 
 
-def _bad_bodies() -> st.SearchStrategy[Any]:
+def bad_bodies() -> st.SearchStrategy[Any]:
     good = form(PROMPT)
     json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                                lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner,
@@ -248,7 +248,7 @@ def _bad_bodies() -> st.SearchStrategy[Any]:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=_bad_bodies(), route=st.sampled_from([("POST", "/cache/pins"), ("DELETE", "/cache/pins"),
+@given(body=bad_bodies(), route=st.sampled_from([("POST", "/cache/pins"), ("DELETE", "/cache/pins"),
                                                    ("POST", "/cache/prefetches"), ("POST", "/cache/lookup"),
                                                    ("DELETE", "/cache/objects"), ("POST", "/cache/clear"),
                                                    ("PUT", "/quota/t")]))
@@ -282,3 +282,50 @@ def test_huge_bodies_and_arrays_are_refused_before_anything_changes(inst):
     status, got = call(inst.base, "POST", "/cache/pins", form(list(range(1_000_001))))
     assert status == 400 and "1000000" in got["detail"]
     assert state(inst) == before
+
+
+# ---------------------------------------------------------------------------------------- configuration, token
+def test_the_management_keys_are_checked_together_at_start(tmp_path):
+    from lmcache_vllm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config({"extra_config": {"management_port": 8300, "coordinator_url": "http://c:9300/x?y"}})
+    assert refused.value.keys == {"extra_config.management_token_file", "extra_config.coordinator_url"}
+    with pytest.raises(ConfigError, match="needs extra_config.management_port"):
+        load_config({"extra_config": {"coordinator_url": "http://127.0.0.1:9300"}})
+    with pytest.raises(ConfigError, match="management_port"):
+        load_config({"extra_config": {"management_port": 70000}})
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    config = load_config({"extra_config": {"management_port": 8300, "management_token_file": str(token),
+                                           "coordinator_url": "http://127.0.0.1:9300"}})
+    assert TOKEN not in repr(config) and TOKEN not in config.summary()
+
+
+def test_the_token_file_is_read_checked_and_compared_as_bytes(tmp_path, caplog):
+    from lmcache_vllm.config.redact import redact_text
+    from lmcache_vllm.management import auth
+
+    path = tmp_path / "token"
+    for bad in ("short", "two words here!!", "x" * 5000, ""):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="token"):
+            auth.read_token(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        auth.read_token(str(tmp_path / "missing"))
+    path.write_text(TOKEN + "\nsecond line ignored\n")
+    path.chmod(0o644)
+    assert auth.read_token(str(path)) == TOKEN.encode()
+    assert "can be read by other users" in caplog.text and TOKEN not in caplog.text
+    assert redact_text(f"a message with {TOKEN} in it") == "a message with *** in it"
+    token = TOKEN.encode()
+    auth.check(f"Bearer {TOKEN}", token, write=True, peer="10.0.0.1")
+    auth.check(None, token, write=False, peer="127.0.0.1")
+    auth.check(None, token, write=False, peer="::ffff:127.0.0.2")
+    for header, peer, write, status in ((None, "10.0.0.1", False, 401), (None, "127.0.0.1", True, 401),
+                                        (f"Basic {TOKEN}", "127.0.0.1", True, 401),
+                                        ("Bearer \udcff\u00e9", "127.0.0.1", True, 403),
+                                        (f"Bearer {TOKEN}x", "127.0.0.1", False, 403), (None, None, False, 401)):
+        with pytest.raises(auth.AuthError) as refused:
+            auth.check(header, token, write=write, peer=peer)
+        assert refused.value.status == status

@@ -9,13 +9,11 @@ with a warning once per outage, never an error in the instance. `close` deregist
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import urllib.error
-import urllib.request
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
+from lmcache_vllm.management.client import request
 from lmcache_vllm.management.control import ControlUnavailable
 from lmcache_vllm.management.keys import KeySpace
 
@@ -25,26 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEYSPACE_FIELD = "lmcache_vllm.keyspace"
-
-
-def request(url: str, method: str, token: Optional[bytes], body: Optional[dict[str, Any]] = None,
-            timeout: float = 5.0) -> tuple[int, Any]:
-    """(status, JSON answer or None) of one call (with the bearer token, when given); OSError when unreachable."""
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Authorization": "Bearer " + token.decode("ascii")} if token else {}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-            status = resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, None
 
 
 class CoordinatorAgent:

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from lmcache_vllm.management.agent import request
+from lmcache_vllm.management.client import request
 
 CACHE_COMMANDS = ("lookup", "pin", "unpin", "delete", "prefetch", "move")
 
