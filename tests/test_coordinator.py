@@ -111,7 +111,7 @@ def test_instances_register_heartbeat_and_go_when_their_lease_ends(fleet):
         rows = {i["instance_id"]: i for i in coord(fleet, "GET", "/instances", token=None)[1]["instances"]}
         row = rows[inst.api.instance_id]
         assert (row["ip"], row["http_port"]) == ("127.0.0.1", inst.server.port)
-        assert json.loads(row["metadata"]["lmcache_vllm.keyspace"])["chunk_size"] == CHUNK
+        assert json.loads(row["metadata"]["lmcache_vllm_keyspace"])["chunk_size"] == CHUNK
         body = {"ip": "127.0.0.1", "http_port": inst.server.port, "instance_id": inst.api.instance_id,
                 "metadata": row["metadata"]}
         status, got = coord(fleet, "POST", "/instances", body)

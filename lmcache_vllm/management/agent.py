@@ -1,7 +1,7 @@
 """`CoordinatorAgent`: an instance's registration with the fleet coordinator (LMCache's MP-server protocol).
 
 On a daemon thread: once the ranks answer (the engine exists, so the key space is known), `POST /instances` with
-the management API's address and, in `metadata`, the key space (`lmcache_vllm.keyspace`: what the coordinator
+the management API's address and, in `metadata`, the key space (`lmcache_vllm_keyspace`: what the coordinator
 resolves token ids with); then `PUT /instances/{id}/heartbeat` every `heartbeat_s`. A 404 (the coordinator
 dropped it after its lease, or restarted with another store) registers again, and the coordinator's answer gives
 the incarnation placements name. Every call is bounded (`timeout_s`); an unreachable coordinator is retried,
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KEYSPACE_FIELD = "lmcache_vllm.keyspace"
+KEYSPACE_FIELD = "lmcache_vllm_keyspace"
 
 
 class CoordinatorAgent:
