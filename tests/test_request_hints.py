@@ -4,6 +4,7 @@ SchedulerOutput, and pins that keep chunks in a real L1 within their budget."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +144,38 @@ def test_one_tenants_pins_cannot_push_out_another_tenants_pin():
         assert [o.ref_count for o in objs] == [3, 3]  # L1's, a's pin, ours: still pinned
         for obj in objs:
             obj.ref_down()
+    finally:
+        worker.shutdown()
+
+
+def test_a_hint_pin_ends_pin_ttl_secs_after_it_was_last_renewed():
+    """Issue 39: a request's pin has an expiry (before, it stayed until pushed out or a reset)."""
+    engine = make_engine()
+    caches = make_caches(True)
+    config = worker_config(engine)
+    config = dataclasses.replace(config, extra_config=dataclasses.replace(
+        config.extra_config, max_pinned_fraction=0.5, max_pinned_fraction_per_salt=0.5, pin_ttl_secs=0.2))
+    worker = WorkerHalf(config, engine_factory=lambda _: engine, block_size=16, lookup_address=None)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        tokens = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)
+        engine.store(tokens, caches, slots_for(len(tokens), seed=1))
+        worker.begin_step()
+        worker.wait_for_save(LMCacheConnectorMetadata(pins=[PinSpec("r", tokens)]))
+
+        def references() -> list[int]:
+            objs = engine.hold_prefix(tokens)[1]
+            counts = [o.ref_count - 1 for o in objs]  # without ours
+            for obj in objs:
+                obj.ref_down()
+            return counts
+
+        assert references() == [2, 2]  # L1's and the pin's
+        time.sleep(0.3)
+        worker.begin_step()
+        worker.wait_for_save(LMCacheConnectorMetadata())  # any step lets go what expired
+        assert references() == [1, 1]  # L1's only: evictable again
+        assert metrics.value("pins_released", reason="expired") == 1
     finally:
         worker.shutdown()
 

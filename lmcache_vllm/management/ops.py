@@ -232,6 +232,7 @@ class RankOps:
         salt, limit = str(body["cache_salt"]), int(body["limit_bytes"])
         tenants = self.storage.l1.tenants
         tenants.set_limit(salt, limit)
+        self.storage.watch_quotas()
         evicted = self.storage.l1.enforce_quota(salt, keep=self._pinned)
         return {"evicted": evicted}
 

@@ -91,7 +91,7 @@ class StorageManager(LowerTierReads):
         if self.lower:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._check_quotas()))
+        self._quota_checks: Optional[asyncio.Task[None]] = None
         self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -105,6 +105,14 @@ class StorageManager(LowerTierReads):
 
     def _start_writer(self) -> None:
         self._writers.append(self._loop.create_task(self._writer()))
+
+    def watch_quotas(self) -> None:
+        """Starts the periodic quota check (once; the first quota set on this instance calls it)."""
+        def start() -> None:
+            if self._quota_checks is None:
+                self._quota_checks = self._loop.create_task(self._check_quotas())
+        if not self._closed:
+            self._loop.call_soon_threadsafe(start)
 
     async def _check_quotas(self) -> None:
         """Every `QUOTA_CHECK_S`: tenants past their L1 quota lose their least recently used chunks (a store evicts
