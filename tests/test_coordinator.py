@@ -144,6 +144,7 @@ def test_a_lookup_through_the_coordinator_names_the_instance_and_tier_of_the_nex
         assert [(p["instance_id"], p["tier"], p["backend"]) for p in result["placements"]] == \
             [(a.api.instance_id, "l1", "local_cpu")]  # not b: the directory's hint is not a placement of b
     assert a.engine.lookup(PROMPT, for_salt("s")) == 3 * CHUNK  # what A's next request loads
+    wait(lambda: all(listed(fleet, a, [k.to_str() for k in keys])), what="a's listing")
     assert b.engine.lookup(PROMPT, for_salt("s")) == 3 * CHUNK  # B would pull it from A (P2P)...
     assert b.engine.lookup_tiers(PROMPT, for_salt("s"))[1] == ["p2p"] * 3  # ...which the lookup said
     status, again = coord(fleet, "POST", "/directory/lookup", {"keys": [r["key"] for r in got["results"]]})
@@ -205,6 +206,7 @@ def test_a_delete_keeps_pinned_keys_unless_forced_and_the_directory_forgets_them
 def test_a_prefetch_is_relayed_and_a_move_leaves_the_prompt_at_the_target_only(fleet, pair):
     a, b = pair
     a.store(PROMPT)
+    wait(lambda: all(listed(fleet, a, [k.to_str() for k in a.engine.chunk_keys(PROMPT)])), what="a's listing")
     status, got = coord(fleet, "POST", "/cache/prefetches", form(instance_id=b.api.instance_id))
     assert status == 200 and got["status"] == "submitted" and got["instance_id"] == b.api.instance_id
     path = f"/cache/prefetches/{b.api.instance_id}/{got['request_id']}"
@@ -214,6 +216,7 @@ def test_a_prefetch_is_relayed_and_a_move_leaves_the_prompt_at_the_target_only(f
     assert b.engine.lookup_tiers(PROMPT)[1] == ["local_cpu"] * 3
     other = list(range(40_000, 40_000 + 2 * CHUNK))
     a.store(other)
+    wait(lambda: all(listed(fleet, a, [k.to_str() for k in a.engine.chunk_keys(other)])), what="a's listing")
     status, got = coord(fleet, "POST", "/cache/moves", form(other, source_instance_id=a.api.instance_id,
                                                            target_instance_id=b.api.instance_id))
     assert status == 200 and got["status"] == "submitted" and got["requested"] == 2

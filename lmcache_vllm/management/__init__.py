@@ -8,8 +8,9 @@ status codes); this package serves it for lmcache-vllm, with a bearer token on e
   (with the connector's own key builder), `auth` the token, `http` the aiohttp server and client parts;
 - `ops` what one tensor-parallel rank does for a call (beside its `CacheEngine`), `control` how the instance API
   reaches every rank, `instance` the instance API, `agent` its registration with the coordinator;
-- `coordinator` the fleet coordinator (its state in the Redis directory P2P uses), `moves` its moves, `fleet`
-  its calls to the instances, `cli` the `lmcache-vllm coordinator` and `lmcache-vllm cache` commands.
+- `coordinator` the fleet coordinator (its state in the Redis directory P2P uses), `moves` its moves, `quotas` its
+  quotas, `fleet` its Redis state and its calls to the instances, `client` one JSON call (the agent, the CLI),
+  `cli` the `lmcache-vllm coordinator` and `lmcache-vllm cache` commands.
 
 It uses engine, storage and config; never vLLM (the connector starts the instance API).
 """

@@ -13,8 +13,8 @@ instances (`fleet.FleetClient`) where those keys are and what to do with them:
   serving the model: a pin an instance's budget refuses is undone everywhere, 409), `POST /cache/delete`,
   `POST /cache/prefetches` + `GET /cache/prefetches/{instance}/{id}` (relayed), `POST /cache/moves` +
   `GET /cache/moves/{id}` (`moves.py`);
-- quotas per cache_salt: `GET|PUT /quota/config`, `GET /quota`, `GET|PUT|DELETE /quota/{salt}`: kept in Redis
-  and set on every instance (each enforces it on its own L1; a registering instance gets them all).
+- quotas per cache_salt (`quotas.py`): `GET|PUT /quota/config`, `GET /quota`, `GET|PUT|DELETE /quota/{salt}`:
+  kept in Redis and set on every instance (each enforces it on its own L1; a registering instance gets them all).
 Writes need the bearer token; reads too, except from loopback. docs/MANAGEMENT.md has the details and where we
 differ from LMCache.
 """
@@ -28,22 +28,27 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from lmcache_vllm.management.fleet import FleetClient, FleetError, FleetStore, Instance, pin_field
+from lmcache_vllm.management.fleet import (
+    FleetClient,
+    FleetError,
+    FleetStore,
+    Instance,
+    detail_of,
+    pin_field,
+    summary,
+)
 from lmcache_vllm.management.http import ApiError, Routes, answer, body, query_int
 from lmcache_vllm.management.keys import KeySpace
 from lmcache_vllm.management.moves import Mover
+from lmcache_vllm.management.quotas import QuotaRoutes
 from lmcache_vllm.management.schemas import (
     CacheDeleteBody,
     EncodedObjectKey,
     InstanceTokens,
     LookupBody,
     MoveBody,
-    QuotaBody,
-    QuotaConfigBody,
     RegisterBody,
     TokensForm,
-    salt_from_path,
-    salt_to_path,
     valid_id,
 )
 
@@ -52,7 +57,7 @@ logger = logging.getLogger(__name__)
 TIER_OF = {"local_cpu": ("l1", False), "local_disk": ("l2", False), "redis": ("l2", True)}
 
 
-class Coordinator:
+class Coordinator(QuotaRoutes):
     def __init__(self, store: FleetStore, fleet: FleetClient, token: bytes, *, move_poll_s: float = 0.5,
                  move_timeout_s: float = 600.0):
         self.store = store
@@ -77,12 +82,7 @@ class Coordinator:
         r.add("GET", "/cache/prefetches/{instance_id}/{request_id}", self.prefetch_status, write=False)
         r.add("POST", "/cache/moves", self.move, write=True)
         r.add("GET", "/cache/moves/{move_id}", self.move_status, write=False)
-        r.add("GET", "/quota/config", self.quota_config, write=False)
-        r.add("PUT", "/quota/config", self.set_quota_config, write=True)
-        r.add("GET", "/quota", self.list_quotas, write=False)
-        r.add("GET", "/quota/{salt}", self.get_quota, write=False)
-        r.add("PUT", "/quota/{salt}", self.set_quota, write=True)
-        r.add("DELETE", "/quota/{salt}", self.delete_quota, write=True)
+        self.add_quota_routes(r)
         r.app.on_startup.append(self._fail_orphaned_moves)
         r.app.on_cleanup.append(self._close)
 
@@ -120,17 +120,6 @@ class Coordinator:
         except FleetError as exc:
             raise ApiError(502, str(exc)) from None
 
-    async def _each(self, targets: list[Instance], method: str, path: str, payload: Any = None
-                    ) -> dict[str, tuple[int, Any]]:
-        """Every instance's (status, answer); an unreachable one is (0, its error)."""
-        async def one(inst: Instance) -> tuple[int, Any]:
-            try:
-                return await self.fleet.call(inst, method, path, payload)
-            except FleetError as exc:
-                return 0, {"detail": str(exc)}
-        results = await asyncio.gather(*(one(i) for i in targets))
-        return {inst.instance_id: result for inst, result in zip(targets, results)}
-
     # ------------------------------------------------------------------ membership
     async def healthz(self, request: web.Request) -> web.Response:
         try:
@@ -149,13 +138,6 @@ class Coordinator:
         if inst is not None and quotas:  # a (re)started instance enforces the fleet's quotas from now on
             asyncio.get_running_loop().create_task(self._push_quotas(inst, quotas))
         return answer({"instance_id": instance_id, "re_registered": existed, "incarnation": incarnation})
-
-    async def _push_quotas(self, inst: Instance, quotas: dict[str, float]) -> None:
-        for salt, limit in quotas.items():
-            try:
-                await self.fleet.call(inst, "PUT", f"/quota/{salt_to_path(salt)}", {"limit_gb": limit})
-            except FleetError as exc:
-                logger.warning("quota of %r not set on %s: %s", salt, inst.instance_id, exc)
 
     async def list_instances(self, request: web.Request) -> web.Response:
         return answer({"instances": [i.listing() for i in await self.store.instances()]})
@@ -176,7 +158,7 @@ class Coordinator:
     async def usage(self, request: web.Request) -> web.Response:
         wanted = request.match_info.get("instance_id")
         live = [await self._instance(wanted)] if wanted is not None else await self.store.instances()
-        statuses = await self._each(live, "GET", "/status")
+        statuses = await self.fleet.each(live, "GET", "/status")
         entries, shared = [], {}
         for inst in live:
             status, got = statuses[inst.instance_id]
@@ -226,7 +208,7 @@ class Coordinator:
             mine = [i for i, k in enumerate(encoded) if _keyed_by(inst_space, k)]
             if not mine:
                 continue
-            status, got = (await self._each([inst], "POST", "/cache/lookup",
+            status, got = (await self.fleet.each([inst], "POST", "/cache/lookup",
                                             {"keys": [encoded[i] for i in mine]}))[inst.instance_id]
             if status != 200 or not isinstance(got, dict) or len(got.get("results", [])) != len(mine):
                 unreachable.append(inst.instance_id)
@@ -248,7 +230,7 @@ class Coordinator:
         live = [i for i in await self.store.instances() if not wanted or i.instance_id == wanted]
         if tier == "l2" or backend not in ("", "local_cpu"):
             live = []  # lmcache-vllm lists L1 only
-        pages = await self._each(live, "GET", f"/cache/objects?tier=l1&page_size={min(5000, offset + limit)}")
+        pages = await self.fleet.each(live, "GET", f"/cache/objects?tier=l1&page_size={min(5000, offset + limit)}")
         merged: dict[str, dict[str, Any]] = {}
         for inst in live:
             status, got = pages[inst.instance_id]
@@ -265,7 +247,7 @@ class Coordinator:
 
     async def directory_stats(self, request: web.Request) -> web.Response:
         live = await self.store.instances()
-        statuses = await self._each(live, "GET", "/status")
+        statuses = await self.fleet.each(live, "GET", "/status")
         by_instance = {}
         for inst in live:
             status, got = statuses[inst.instance_id]
@@ -283,16 +265,16 @@ class Coordinator:
         if not keys:
             return answer({"requested": 0, "affected": 0, "status": "pinned"})
         payload = form.model_dump()
-        done = await self._each([i for i, _ in serving], "POST", "/cache/pins", payload)
+        done = await self.fleet.each([i for i, _ in serving], "POST", "/cache/pins", payload)
         refused = {i: got for i, (status, got) in done.items() if status == 409}
         if refused:  # a budget said no: undo it everywhere, and say why
             ok = [inst for inst, _ in serving if done[inst.instance_id][0] == 200]
-            await self._each(ok, "DELETE", "/cache/pins", payload)
+            await self.fleet.each(ok, "DELETE", "/cache/pins", payload)
             instance_id, got = next(iter(refused.items()))
             raise ApiError(409, f"instance {instance_id}: {got.get('detail') if isinstance(got, dict) else got}")
         await self.store.pin([pin_field(space.encode(k, form.model_name, form.cache_salt)) for k in keys], +1)
         return answer({"requested": chunks, "affected": len(keys), "status": "pinned",
-                       "instances": {i: _short(s, got) for i, (s, got) in done.items()}})
+                       "instances": {i: summary(s, got) for i, (s, got) in done.items()}})
 
     async def unpin(self, request: web.Request) -> web.Response:
         form = (await body(request, TokensForm)).checked()
@@ -300,9 +282,9 @@ class Coordinator:
         if not keys:
             return answer({"requested": 0, "affected": 0, "status": "unpinned"})
         await self.store.pin([pin_field(space.encode(k, form.model_name, form.cache_salt)) for k in keys], -1)
-        done = await self._each([i for i, _ in serving], "DELETE", "/cache/pins", form.model_dump())
+        done = await self.fleet.each([i for i, _ in serving], "DELETE", "/cache/pins", form.model_dump())
         return answer({"requested": len(keys) // space.world_size, "affected": len(keys), "status": "unpinned",
-                       "instances": {i: _short(s, got) for i, (s, got) in done.items()}})
+                       "instances": {i: summary(s, got) for i, (s, got) in done.items()}})
 
     async def list_pins(self, request: web.Request) -> web.Response:
         offset = query_int(request, "offset", 0, 0, 1 << 62)
@@ -342,7 +324,7 @@ class Coordinator:
             status, got = await self._relay(inst, "DELETE", "/cache/objects",
                                             {"keys": encoded, "tier": form.tier, "force": form.force})
             if status != 200 or not isinstance(got, dict):
-                raise ApiError(502, f"instance {inst.instance_id} answered {status}: {_detail(got)}")
+                raise ApiError(502, f"instance {inst.instance_id} answered {status}: {detail_of(got)}")
             affected, skipped = int(got.get("deleted", 0)), int(got.get("skipped", 0))
         if form.force:
             await self.store.drop_pins(fields)
@@ -355,7 +337,7 @@ class Coordinator:
         payload = form.model_dump(exclude={"instance_id"})
         status, got = await self._relay(inst, "POST", "/cache/prefetches", payload)
         if status not in (200, 202) or not isinstance(got, dict):
-            raise ApiError(502, f"instance {inst.instance_id} answered {status}: {_detail(got)}")
+            raise ApiError(502, f"instance {inst.instance_id} answered {status}: {detail_of(got)}")
         return answer({"instance_id": inst.instance_id, "request_id": got.get("request_id", ""),
                        "chunks": got.get("chunks", 0), "status": got.get("status", "noop")})
 
@@ -405,62 +387,6 @@ class Coordinator:
         except Exception:
             logger.warning("could not check the moves of an earlier run", exc_info=True)
 
-    # ------------------------------------------------------------------ quotas
-    async def quota_config(self, request: web.Request) -> web.Response:
-        return answer({"default_limit_gb": None})
-
-    async def set_quota_config(self, request: web.Request) -> web.Response:
-        form = await body(request, QuotaConfigBody)
-        if form.default_limit_gb is not None:
-            raise ApiError(501, "lmcache-vllm has no default quota: a cache_salt without one is not limited")
-        return answer({"default_limit_gb": None})
-
-    async def set_quota(self, request: web.Request) -> web.Response:
-        salt = salt_from_path(request.match_info["salt"])
-        form = await body(request, QuotaBody)
-        _l1_only(form.tier)
-        await self.store.set_quota(salt, form.limit_gb)
-        done = await self._each(await self.store.instances(), "PUT", f"/quota/{salt_to_path(salt)}",
-                                {"limit_gb": form.limit_gb})
-        return answer({"cache_salt": salt_to_path(salt), "limit_gb": form.limit_gb, "status": "ok",
-                       "instances": {i: _short(s, got) for i, (s, got) in done.items()}})
-
-    async def delete_quota(self, request: web.Request) -> web.Response:
-        salt = salt_from_path(request.match_info["salt"])
-        _l1_only(request.query.get("tier", "l1"))
-        removed = await self.store.delete_quota(salt)
-        await self._each(await self.store.instances(), "DELETE", f"/quota/{salt_to_path(salt)}")
-        return answer({"cache_salt": salt_to_path(salt), "limit_gb": 0.0,
-                       "status": "removed" if removed else "not_found"})
-
-    async def _usage(self) -> dict[str, float]:
-        """GiB of L1 per salt, over every instance."""
-        used: dict[str, float] = {}
-        replies = await self._each(await self.store.instances(), "GET", "/quota")
-        for status, got in replies.values():
-            if status == 200 and isinstance(got, dict):
-                for salt, entry in got.get("users", {}).items():
-                    used[salt] = used.get(salt, 0.0) + float(entry.get("current_usage_gb", 0.0))
-        return used
-
-    async def get_quota(self, request: web.Request) -> web.Response:
-        salt = salt_from_path(request.match_info["salt"])
-        _l1_only(request.query.get("tier", "l1"))
-        quotas = await self.store.quotas()
-        used = await self._usage()
-        return answer({"cache_salt": salt_to_path(salt), "quota_limit_gb": quotas.get(salt, 0.0),
-                       "quota_exists": salt in quotas, "usage_gb": used.get(salt_to_path(salt), 0.0)})
-
-    async def list_quotas(self, request: web.Request) -> web.Response:
-        tier = request.query.get("tier", "l1")
-        if tier == "all":
-            raise ApiError(400, "tier=all is not a quota tier")
-        _l1_only(tier)
-        quotas, used = await self.store.quotas(), await self._usage()
-        rows = [{"cache_salt": salt_to_path(s), "quota_limit_gb": limit, "quota_exists": True,
-                 "usage_gb": used.get(salt_to_path(s), 0.0)} for s, limit in sorted(quotas.items())]
-        return answer({"total_gb": sum(r["usage_gb"] for r in rows), "by_cache_salt": rows})
-
     async def _close(self, app: web.Application) -> None:
         await self.mover.close()
         await self.fleet.close()
@@ -475,21 +401,8 @@ def _keyed_by(space: KeySpace, encoded: dict[str, Any]) -> bool:
     return True
 
 
-def _l1_only(tier: str) -> None:
-    if tier != "l1":
-        raise ApiError(400, "lmcache-vllm enforces quotas on its instances' L1: tier must be l1")
-
-
 def _module(tier: str, backend: Any, shared: bool, used: int, capacity: int) -> dict[str, Any]:
     return {"tier": tier, "backend": str(backend), "shared": shared, "used_bytes": used, "capacity_bytes": capacity,
             "usage_ratio": used / capacity if capacity else None}
 
 
-def _detail(got: Any) -> Any:
-    return got.get("detail") if isinstance(got, dict) else got
-
-
-def _short(status: int, got: Any) -> dict[str, Any]:
-    if status in (200, 202) and isinstance(got, dict):
-        return {k: v for k, v in got.items() if k in ("affected", "missing", "pin_count", "status", "evicted")}
-    return {"error": status or "unreachable", "detail": _detail(got)}

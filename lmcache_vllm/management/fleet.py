@@ -18,6 +18,7 @@ unreachable or timing-out instance is a `FleetError`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -253,7 +254,29 @@ class FleetClient:
         except ValueError:
             return status, None
 
+    async def each(self, targets: list[Instance], method: str, path: str, payload: Any = None
+                   ) -> dict[str, tuple[int, Any]]:
+        """Every instance's (status, answer), all at once; an unreachable one is (0, its error)."""
+        async def one(inst: Instance) -> tuple[int, Any]:
+            try:
+                return await self.call(inst, method, path, payload)
+            except FleetError as exc:
+                return 0, {"detail": str(exc)}
+        results = await asyncio.gather(*(one(i) for i in targets))
+        return {inst.instance_id: result for inst, result in zip(targets, results)}
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def detail_of(got: Any) -> Any:
+    return got.get("detail") if isinstance(got, dict) else got
+
+
+def summary(status: int, got: Any) -> dict[str, Any]:
+    """What the coordinator's answer says of one instance's: its counts, or its error."""
+    if status in (200, 202) and isinstance(got, dict):
+        return {k: v for k, v in got.items() if k in ("affected", "missing", "pin_count", "status", "evicted")}
+    return {"error": status or "unreachable", "detail": detail_of(got)}

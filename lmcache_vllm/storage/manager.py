@@ -19,6 +19,7 @@ exception to the caller:
   request's `get(keys, owner=handle.owner)`, which takes the holds over as the caller's references.
   Holds end when that `get` takes them, when the handle's `cancel()` is called (it also stops the
   reads), or after `prefetch_hold_secs`; every object read is either in L1, held, or released.
+- What an operator steers (`steering.py`): where chunks are, deletes, warm-ups into L1, per-tenant quotas.
 - `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
   and joins its thread and the backends' thread pools.
 
@@ -48,14 +49,13 @@ from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend,
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
-from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.registry import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.steering import Steering
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.writes import WriteTracker
 
 logger = logging.getLogger(__name__)
 
-QUOTA_CHECK_S = 1.0
 KeyLike = Union[str, Any]  # a key string or a CacheKey (anything with to_str())
 
 
@@ -63,7 +63,7 @@ def _key_str(key: KeyLike) -> str:
     return key if isinstance(key, str) else key.to_str()
 
 
-class StorageManager(LowerTierReads):
+class StorageManager(Steering):
     def __init__(self, config: LMCacheConfig, *, allocator: Optional[HostAllocator] = None,
                  key_filter: Optional[Callable[[str], bool]] = None):
         extra = config.extra_config
@@ -105,26 +105,6 @@ class StorageManager(LowerTierReads):
 
     def _start_writer(self) -> None:
         self._writers.append(self._loop.create_task(self._writer()))
-
-    def watch_quotas(self) -> None:
-        """Starts the periodic quota check (once; the first quota set on this instance calls it)."""
-        def start() -> None:
-            if self._quota_checks is None:
-                self._quota_checks = self._loop.create_task(self._check_quotas())
-        if not self._closed:
-            self._loop.call_soon_threadsafe(start)
-
-    async def _check_quotas(self) -> None:
-        """Every `QUOTA_CHECK_S`: tenants past their L1 quota lose their least recently used chunks (a store evicts
-        at once what is free then; its own chunks, still held while stored, go at the next check)."""
-        while True:
-            await asyncio.sleep(QUOTA_CHECK_S)
-            if not self.l1.tenants.limits():
-                continue
-            try:
-                self.l1.enforce_quotas()
-            except Exception:  # never a dead loop task: the next check tries again
-                logs.warn(logger, "quota_check_failed", "enforcing the L1 quotas failed", exc_info=True)
 
     async def _put_timed(self, tier: StorageBackend, key: str, obj: MemoryObj) -> bool:
         t0 = time.perf_counter()
@@ -340,86 +320,6 @@ class StorageManager(LowerTierReads):
         handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs, tenant),
                                                        self._loop))
         return handle
-
-    # ---- management (docs/MANAGEMENT.md): where chunks are, deletes, warm-ups -----------------------------
-    def where(self, keys: Sequence[KeyLike], timeout: float) -> list[list[str]]:
-        """The tiers of this instance holding each key: L1, then each lower tier keeping payloads (a P2P
-        directory says where others are: not asked). A tier that does not answer within `timeout` holds nothing."""
-        ks = [_key_str(k) for k in keys]
-        out = [[self.l1.name.value] if present else [] for present in self.l1.contains_many_sync(ks)]
-        tiers = [t for t in self.lower if t.holds_payloads]
-        if not ks or not tiers or self._closed:
-            return out
-
-        async def ask() -> list[list[bool] | BaseException]:
-            return await asyncio.wait_for(asyncio.gather(*(t.contains(ks) for t in tiers), return_exceptions=True),
-                                          timeout)
-
-        fut = asyncio.run_coroutine_threadsafe(ask(), self._loop)
-        try:
-            answers = fut.result(timeout + 1.0)
-        except Exception:
-            fut.cancel()
-            metrics.inc("storage_timeouts", op="lookup")
-            return out
-        for tier, found in zip(tiers, answers):
-            if isinstance(found, BaseException):
-                continue
-            for held, present in zip(out, found):
-                if present:
-                    held.append(tier.name.value)
-        return out
-
-    def remove(self, keys: Sequence[KeyLike], *, l1: bool, lower: bool, force: bool,
-               keep: Callable[[str], bool] = lambda key: False, timeout: float = 10.0) -> tuple[int, int]:
-        """Deletes `keys` from L1 and/or the lower tiers that keep payloads: (chunks deleted, L1 chunks skipped).
-        Without `force`, an L1 chunk someone holds (a pin, a load, a send) or `keep(key)` names is skipped; with it,
-        the chunk leaves the index at once and its memory when its holders let go. The lower tiers go first, so
-        that a P2P listing kept for the disk (p2p_serve_disk) is withdrawn with L1's."""
-        ks = [_key_str(k) for k in keys]
-        deleted = skipped = 0
-        tiers = [t for t in self.lower if t.holds_payloads] if lower and not self._closed else []
-        if tiers and ks:
-            async def drop() -> int:
-                count = 0
-                for tier in tiers:
-                    present = await tier.contains(ks)
-                    for key, held in zip(ks, present):
-                        if held:
-                            await tier.remove(key)
-                            count += 1
-                return count
-
-            fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(drop(), timeout), self._loop)
-            try:
-                deleted += fut.result(timeout + 1.0)
-            except Exception:
-                fut.cancel()
-                logs.warn(logger, "management_delete_failed", "deleting from the lower tiers did not finish",
-                          exc_info=True)
-        if l1:
-            for key in ks:
-                obj = self.l1.get_sync(key)
-                if obj is None:
-                    continue
-                busy = obj.ref_count > 2  # the index's reference and ours: anything more is someone's hold
-                obj.ref_down()
-                if not force and (busy or keep(key)):
-                    skipped += 1
-                    continue
-                deleted += int(self.l1.remove_sync(key))
-        return deleted, skipped
-
-    def warm(self, keys: Sequence[KeyLike], expected: Optional[Sequence[ChunkSpec]] = None, tenant: str = "",
-             timeout: float = 60.0) -> "concurrent.futures.Future[list[bool]]":
-        """Starts a warm-up of `keys` into L1 (`reads._warm`); its future says which keys it brought in."""
-        ks = [_key_str(k) for k in keys]
-        if self._closed:
-            done: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
-            done.set_result([False] * len(ks))
-            return done
-        specs = dict(zip(ks, expected)) if expected is not None else None
-        return asyncio.run_coroutine_threadsafe(self._warm(ks, specs, tenant, timeout), self._loop)
 
     def clear(self, lower_tiers: bool = True) -> bool:
         """Empties L1, prefetch holds included (and the lower tiers unless `lower_tiers` is False);

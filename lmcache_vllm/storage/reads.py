@@ -184,37 +184,3 @@ class LowerTierReads:
         for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
             self._holds.hold(owner, key, obj)
         return len(objs)
-
-    async def _warm(self, keys: Sequence[str], expected: Optional[Mapping[str, ChunkSpec]] = None,
-                    tenant: str = "", timeout: float = 60.0) -> list[bool]:
-        """A warm-up (the management API's prefetch, a move's target): reads each of `keys` that L1 lacks and a
-        lower tier holds (another instance's L1 through P2P included) into L1 and keeps it there, counted for
-        `tenant`; a chunk a peer sent is listed in the P2P directory as this instance's from now on (never
-        written through to a tier others read). Which keys this call brought into L1 (False: in L1 already,
-        nowhere, or a read that failed); bounded by `timeout`."""
-        todo = [i for i, k in enumerate(keys) if not self.l1.contains_sync(k)]
-        brought = [False] * len(keys)
-        if not todo or not self.lower:
-            return brought
-        wanted = [keys[i] for i in todo]
-        try:
-            where = await asyncio.wait_for(self._locate(wanted), timeout)
-        except asyncio.TimeoutError:
-            metrics.inc("storage_timeouts", op="lookup")
-            return brought
-        found = [(i, tier) for i, tier in zip(todo, where) if tier is not None]
-        if not found:
-            return brought
-        found_keys = [keys[i] for i, _ in found]
-        objs = await asyncio.wait_for(self._fetch(found_keys, [t for _, t in found], None, expected, tenant,
-                                                  keep_all=True), timeout)
-        listing = [t for t in self.lower if not t.holds_payloads]  # P2P: this instance holds them now
-        try:
-            for (i, tier), obj in zip(found, objs):
-                brought[i] = self.l1.contains_sync(keys[i])
-                if brought[i] and not tier.holds_payloads:
-                    for lister in listing:
-                        await lister.put(keys[i], obj)
-        finally:
-            release_objs(objs)
-        return brought
