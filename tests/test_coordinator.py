@@ -46,12 +46,13 @@ def fleet(redis_server, tmp_path_factory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("coordinator")
     prefix = f"test-coord-{uuid.uuid4().hex[:8]}:"
     token_file = write_token(tmp)
-    coordinator = Coordinator(redis_server.url, token_file, prefix, tmp / "coordinator.log", instance_timeout=3)
+    state = {"url": redis_server.url, "prefix": prefix, "tmp": tmp, "token_file": token_file,
+             "coordinator": Coordinator(redis_server.url, token_file, prefix, tmp / "coordinator.log",
+                                        instance_timeout=3)}
     try:
-        yield {"url": redis_server.url, "prefix": prefix, "coordinator": coordinator, "tmp": tmp,
-               "token_file": token_file}
+        yield state
     finally:
-        coordinator.stop()
+        state["coordinator"].stop()  # the one running now (a test restarts it)
 
 
 def p2p(fleet: dict[str, Any], **extra: Any) -> dict[str, Any]:
