@@ -135,9 +135,9 @@ class Steering(LowerTierReads):
                     tenant: str = "", timeout: float = 60.0) -> list[bool]:
         """A warm-up (the management API's prefetch, a move's target): reads each of `keys` that L1 lacks and a
         lower tier holds (another instance's L1 through P2P included) into L1 and keeps it there, counted for
-        `tenant`; a chunk a peer sent is listed in the P2P directory as this instance's from now on (never
-        written through to a tier others read). Which keys this call brought into L1 (False: in L1 already,
-        nowhere, or a read that failed); bounded by `timeout`."""
+        `tenant`; each chunk brought is listed in the P2P directory as this instance's from now on (a chunk a
+        peer sent is never written through to a tier others read). Which keys this call brought into L1 (False:
+        in L1 already, nowhere, or a read that failed); bounded by `timeout`."""
         todo = [i for i, k in enumerate(keys) if not self.l1.contains_sync(k)]
         brought = [False] * len(keys)
         if not todo or not self.lower:
@@ -156,9 +156,9 @@ class Steering(LowerTierReads):
                                                   keep_all=True), timeout)
         listing = [t for t in self.lower if not t.holds_payloads]  # P2P: this instance holds them now
         try:
-            for (i, tier), obj in zip(found, objs):
+            for (i, _), obj in zip(found, objs):
                 brought[i] = self.l1.contains_sync(keys[i])
-                if brought[i] and not tier.holds_payloads:
+                if brought[i]:  # whichever tier it came from, peers may pull it from here now
                     for lister in listing:
                         await lister.put(keys[i], obj)
         finally:
