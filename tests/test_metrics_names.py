@@ -116,13 +116,16 @@ STABLE = [
      'Writes a lower tier refused or failed (disk full, chunk larger than the tier, Redis down'
      ' or its breaker open)'),
     ("failed_reads", "counter", ('tier',),
-     'Reads or existence checks of a tier that failed (I/O error, Redis down or its breaker '
-     'open); answered as misses'),
+     'Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake down or its '
+     'breaker open); answered as misses'),
     ("corrupt_chunks", "counter", ('tier',),
      'Stored chunks that failed their checks (checksum, size, header) and were deleted'),
     ("unauthenticated_chunks", "counter", (),
      'Chunks whose keyed MAC did not verify (extra_config.chunk_mac_key set): also counted in '
      'corrupt_chunks, answered as misses and deleted'),
+    ("lost_chunks", "counter", ('tier',),
+     'Chunks a tier listed but could not read back (Mooncake: evicted since, or their storage host '
+     'died; such an entry is removed): answered as misses'),
     ("evictions", "counter", ('tier',),
      'Chunks evicted from a tier to make room (least recently used first)'),
     ("read_alloc_failures", "counter", ('tier',),
@@ -234,6 +237,13 @@ STABLE = [
      "answered)"),
     ("quota_evictions", "counter", ('tier',),
      'L1 chunks evicted because their tenant (cache_salt) was past its quota'),
+    ("sglang_pages", "counter", ("op", "outcome"),
+     "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, exists) and outcome (ok: "
+     "stored, loaded into SGLang's host pool or found; missed: not found or not readable in time, a corrupt page "
+     "included; failed: a store no tier took in time; refused: arguments that do not name pages of a registered "
+     "pool, or a pool of a kind it cannot store)"),
+    ("sglang_call_seconds", "histogram", ("op",),
+     "Time of one call of SGLang's HiCache controller into the backend (op: set, get, exists)"),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),

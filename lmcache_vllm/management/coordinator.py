@@ -38,7 +38,7 @@ from lmcache_vllm.management.fleet import (
     summary,
 )
 from lmcache_vllm.management.http import ApiError, Routes, answer, body, query_int
-from lmcache_vllm.management.keys import KeySpace
+from lmcache_vllm.management.keys import KeySpace, lmcache_tier
 from lmcache_vllm.management.moves import Mover
 from lmcache_vllm.management.quotas import QuotaRoutes
 from lmcache_vllm.management.schemas import (
@@ -54,7 +54,6 @@ from lmcache_vllm.management.schemas import (
 
 logger = logging.getLogger(__name__)
 
-TIER_OF = {"local_cpu": ("l1", False), "local_disk": ("l2", False), "redis": ("l2", True)}
 
 
 class Coordinator(QuotaRoutes):
@@ -168,7 +167,7 @@ class Coordinator(QuotaRoutes):
                 l1 = manager.get("l1", {})
                 modules.append(_module("l1", "local_cpu", False, l1.get("used_bytes", 0), l1.get("capacity_bytes", 0)))
                 for tier in manager.get("lower", []):
-                    name, is_shared = TIER_OF.get(tier.get("tier"), ("l2", bool(tier.get("shared"))))
+                    name, is_shared = lmcache_tier(str(tier.get("tier")))
                     module = _module(name, tier.get("tier"), is_shared, tier.get("used_bytes", 0),
                                      tier.get("capacity_bytes", 0))
                     if is_shared:

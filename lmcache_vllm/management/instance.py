@@ -27,7 +27,7 @@ from aiohttp import web
 
 from lmcache_vllm.management.control import CacheControl, ControlUnavailable
 from lmcache_vllm.management.http import ApiError, Routes, answer, body, query_int
-from lmcache_vllm.management.keys import KeySpace
+from lmcache_vllm.management.keys import KeySpace, lmcache_tier
 from lmcache_vllm.management.schemas import (
     ClearBody,
     DeleteObjectsBody,
@@ -43,7 +43,6 @@ from lmcache_vllm.management.schemas import (
     salt_to_path,
 )
 
-TIERS = {"local_cpu": ("l1", False), "local_disk": ("l2", False), "redis": ("l2", True)}  # ours -> LMCache's
 MAX_PREFETCHES = 256
 PREFETCH_TTL_S = 600.0
 MAX_WAITING_CALLS = 16
@@ -252,8 +251,8 @@ class InstanceApi:
             tiers = reply["tiers"][cursor[key.rank]]
             cursor[key.rank] += 1
             placements = [{"instance_id": self.instance_id, "incarnation": self.incarnation,
-                           "tier": TIERS.get(t, ("l2", False))[0], "backend": t, "size_bytes": reply["chunk_bytes"],
-                           "shared": TIERS.get(t, ("l2", False))[1]} for t in tiers]
+                           "tier": lmcache_tier(t)[0], "backend": t, "size_bytes": reply["chunk_bytes"],
+                           "shared": lmcache_tier(t)[1]} for t in tiers]
             results.append({"key": space.encode(key, name, salt), "placements": placements, "token_ids": toks})
         return {"chunks": chunks, "results": results}
 

@@ -24,7 +24,19 @@ from typing import Any, Sequence
 
 from lmcache_vllm.extra_keys import for_salt
 from lmcache_vllm.management.schemas import BadRequest, EncodedObjectKey
+from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.tokens import CacheKey, ChunkHasher, KeyBuilder, hash_function
+
+
+def lmcache_tier(name: str) -> tuple[str, bool]:
+    """(LMCache's tier, shared) of one of our tiers: host memory is `l1`, every lower tier `l2` (its name is the
+    placement's `backend`); a remote one (Redis, Mooncake) is shared by the fleet."""
+    if name == Tier.LOCAL_CPU:
+        return "l1", False
+    try:
+        return "l2", Tier(name).locality == "REMOTE"
+    except ValueError:
+        return "l2", False
 
 
 def pack_rank(world_size: int, rank: int) -> int:

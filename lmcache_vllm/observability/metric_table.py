@@ -117,12 +117,14 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
        "the tier, Redis down or its breaker open)", _T),
-    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis "
+    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake "
        "down or its breaker open); answered as misses", _T),
     _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
        "were deleted", _T),
     _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
        "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
+    _c("lost_chunks", "chunks", "Chunks a tier listed but could not read back (Mooncake: evicted since, or their "
+       "storage host died; such an entry is removed): answered as misses", _T),
     _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
     _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
     _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "
@@ -210,6 +212,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "template; code: the HTTP status answered)", ("route", "code"), scope="engine"),
     _c("quota_evictions", "chunks", "L1 chunks evicted because their tenant (cache_salt) was past its quota",
        _T),
+    # -- SGLang's HiCache storage backend (docs/SGLANG.md): calls of SGLang's cache controller into our tiers
+    _c("sglang_pages", "pages", "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, "
+       "exists) and outcome (ok: stored, loaded into SGLang's host pool or found; missed: not found or not "
+       "readable in time, a corrupt page included; failed: a store no tier took in time; refused: arguments "
+       "that do not name pages of a registered pool, or a pool of a kind it cannot store)", ("op", "outcome")),
+    _h("sglang_call_seconds", "Time of one call of SGLang's HiCache controller into the backend (op: set, get, "
+       "exists)", ("op",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),

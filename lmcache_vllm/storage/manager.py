@@ -236,6 +236,24 @@ class StorageManager(Steering):
             metrics.inc("storage_errors", op="lookup")
         return found
 
+    def held(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether some tier holds each key, not only a prefix (L1, then one batched check per lower tier);
+        a lower tier that does not answer within the lookup timeout holds nothing."""
+        ks = [_key_str(k) for k in keys]
+        found = self.l1.contains_many_sync(ks)
+        rest = [k for k, hit in zip(ks, found) if not hit]
+        if not rest or not self.lower or self._closed:
+            return found
+        fut = asyncio.run_coroutine_threadsafe(self._locate(rest), self._loop)
+        try:
+            where = iter(fut.result(self.lookup_timeout))
+        except Exception as exc:
+            fut.cancel()
+            timed_out = isinstance(exc, concurrent.futures.TimeoutError)
+            metrics.inc("storage_timeouts" if timed_out else "storage_errors", op="lookup")
+            return found
+        return [hit or next(where) is not None for hit in found]
+
     def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
             lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None,
             tenant: str = "") -> list[MemoryObj]:
