@@ -362,18 +362,9 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
     if replays:
         _common.print_table("our L1 replayed under eviction policies (chunks a lookup found)", replays,
                             ("config", "policy", "from L1", "from disk"))
-    res = {"model": size, "cpu": _common.cpu_model(), **{f"workload.{k}": v for k, v in asdict(w).items()},
-           **ratios(rows), **{f"{name}.failed": why for name, why in failed.items()}}
-    for name, row in rows.items():
-        for key, value in row.items():
-            if key != "name":
-                res[f"{name}.{key}"] = value
-    for key, value in res.items():
-        if key.endswith("_ratio"):
-            print(f"{key}: {value:.2f}")
-    _common.write_json(json_path, res)
-    if failed:
-        raise SystemExit(f"failed configurations: {', '.join(failed)}")
+    _common.write_configurations(json_path, {"model": size, "cpu": _common.cpu_model(),
+                                             **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows)},
+                                 rows, failed)
 
 
 if __name__ == "__main__":

@@ -90,9 +90,10 @@ class LMCacheConfig:
         "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
         choices=HASH_ALGORITHMS)
     enable_kv_events: bool = setting(
-        False, "KV cache events (BlockStored / BlockRemoved per chunk; vLLM's medium CPU for L1, STORAGE for disk "
-               "and Redis; our tier in ownership) through vLLM's KV event publisher (vLLM's --kv-events-config "
-               "turns publishing on)")
+        False, "KV cache events for cache-aware routers, in vLLM's own form (BlockStored / BlockRemoved of vLLM's "
+               "blocks per tier: medium CPU for L1, STORAGE for disk and a shared pool; docs/ROUTING.md) through "
+               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on); chunk_size must then be "
+               "a multiple of vLLM's block size")
     enable_p2p: bool = setting(
         False, "share chunks between instances peer to peer: each instance serves what its L1 holds (its disk "
                "too with extra_config.p2p_serve_disk) from a transfer server per worker rank and lists it in a "

@@ -28,15 +28,19 @@ from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.tokens import CacheKey, ChunkHasher, KeyBuilder, hash_function
 
 
+def shared_tier(name: str) -> bool:
+    """Whether one of our tiers is a fleet's shared pool (Redis, Mooncake: remote to every instance)."""
+    try:
+        names = Tier(name).event_names
+    except ValueError:
+        return False
+    return names is not None and names.locality == "REMOTE"
+
+
 def lmcache_tier(name: str) -> tuple[str, bool]:
     """(LMCache's tier, shared) of one of our tiers: host memory is `l1`, every lower tier `l2` (its name is the
-    placement's `backend`); a remote one (Redis, Mooncake) is shared by the fleet."""
-    if name == Tier.LOCAL_CPU:
-        return "l1", False
-    try:
-        return "l2", Tier(name).locality == "REMOTE"
-    except ValueError:
-        return "l2", False
+    placement's `backend`)."""
+    return ("l1" if name == Tier.LOCAL_CPU else "l2"), shared_tier(name)
 
 
 def pack_rank(world_size: int, rank: int) -> int:

@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lmcache_vllm.extra_keys import for_salt
-from lmcache_vllm.management.keys import KeySpace
+from lmcache_vllm.management.keys import KeySpace, shared_tier
 from lmcache_vllm.storage.pins import PinLedger, PinRefused
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class RankOps:
     # ------------------------------------------------------------------ reads
     def op_info(self, body: dict[str, Any]) -> dict[str, Any]:
         l1 = self.storage.l1
-        lower = [{"tier": t.name.value, "shared": t.name.locality == "REMOTE", **t.gauges()}
+        lower = [{"tier": t.name.value, "shared": shared_tier(t.name), **t.gauges()}
                  for t in self.storage.lower if t.holds_payloads]
         return {"space": self.space.to_json(), "rank": self.engine.keys.template.rank,
                 "l1": {"used_bytes": l1.allocator.used_bytes, "capacity_bytes": l1.allocator.capacity,

@@ -44,7 +44,7 @@ import torch
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
-from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
@@ -345,6 +345,8 @@ class StorageManager(Steering):
         self._holds.release_all()
         self.l1.clear_sync()
         if not lower_tiers or self._closed or not self.lower:
+            if lower_tiers and not self.lower:
+                kv_events.cleared()  # every tier is empty (each chunk's removal was reported as well)
             return True
         # Gathered on the loop: its futures must belong to that loop.
         async def clear_lower() -> list[bool | None | BaseException]:
@@ -361,6 +363,8 @@ class StorageManager(Steering):
         failed = [t.name for t, r in zip(self.lower, results) if r is False or isinstance(r, BaseException)]
         if failed:
             logger.warning("clearing %s failed", ", ".join(failed))
+        else:
+            kv_events.cleared()
         return not failed
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
