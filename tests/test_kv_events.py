@@ -192,8 +192,9 @@ def _a_key(digest: bytes = b"\x05" * 16, group: str = "") -> str:
 
 def test_each_tier_in_vllms_words_and_a_peers_copy_not_at_all():
     """L1 is vLLM's CPU, the disk STORAGE (both LOCAL, no owner, like vLLM's own CPU and file tiers); a shared pool
-    (Redis, Mooncake) STORAGE, REMOTE, owned by "redis" / "mooncake" (a router's external copy); a peer's L1 is that
-    peer's to publish."""
+    (Redis, Mooncake) STORAGE, REMOTE, owned by "redis" / "mooncake" (a router's external copy); L1's compressed
+    cold part is host memory too (a chunk is in one of the two, and leaves one before it enters the other); a
+    peer's L1 is that peer's to publish."""
     kv_events.RECORDER.enabled = True
     kv_events.note_chunk(b"\x05" * 16, None, _le(list(range(CHUNK))))
     for tier in Tier:
@@ -206,7 +207,8 @@ def test_each_tier_in_vllms_words_and_a_peers_copy_not_at_all():
                      ("BlockStored", "STORAGE", "LOCAL", None), ("BlockRemoved", "STORAGE", "LOCAL", None),
                      ("BlockStored", "STORAGE", "REMOTE", "redis"), ("BlockRemoved", "STORAGE", "REMOTE", "redis"),
                      ("BlockStored", "STORAGE", "REMOTE", "mooncake"),
-                     ("BlockRemoved", "STORAGE", "REMOTE", "mooncake")]
+                     ("BlockRemoved", "STORAGE", "REMOTE", "mooncake"),
+                     ("BlockStored", "CPU", "LOCAL", None), ("BlockRemoved", "CPU", "LOCAL", None)]
     assert [t for t in Tier if t.event_names is None] == [Tier.PEER, Tier.P2P]
     assert all(_fields(e) == {"type", "block_hashes", "medium", "group_idx", "locality"} | (
         {"ownership"} if e.ownership else set()) for e in events if isinstance(e, BlockRemoved))

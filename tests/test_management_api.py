@@ -329,3 +329,27 @@ def test_the_token_file_is_read_checked_and_compared_as_bytes(tmp_path, caplog):
         with pytest.raises(auth.AuthError) as refused:
             auth.check(header, token, write=write, peer=peer)
         assert refused.value.status == status
+
+
+def test_l1s_compressed_cold_part_is_l1_to_lookups_and_deletes(tmp_path):
+    cold = start_instance(max_local_cpu_size=L1_CHUNKS * CHUNK_BYTES / (1 << 30),
+                          extra_config={"local_cpu_cold_fraction": 0.5})
+    try:
+        cold.store(PROMPT)
+        for n in range(6):  # the arena holds 16 chunks: these push the prompt's out, into the cold part
+            cold.store(list(range(20_000 + n * 1000, 20_000 + n * 1000 + 3 * CHUNK)))
+        deadline = time.monotonic() + 30
+        while True:
+            got = call(cold.base, "POST", "/cache/lookup", form())[1]
+            backends = [[p["backend"] for p in r["placements"]] for r in got["results"]]
+            if backends == [["local_cpu_cold"]] * 3:
+                break
+            assert time.monotonic() < deadline, backends
+            time.sleep(0.1)
+        assert {p["tier"] for r in got["results"] for p in r["placements"]} == {"l1"}
+        keys = [r["key"] for r in got["results"]]
+        status, deleted = call(cold.base, "DELETE", "/cache/objects", {"keys": keys, "tier": "l1"})
+        assert (status, deleted["deleted"]) == (200, 3)
+        assert all(r["placements"] == [] for r in call(cold.base, "POST", "/cache/lookup", form())[1]["results"])
+    finally:
+        cold.close()

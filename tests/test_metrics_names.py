@@ -109,9 +109,13 @@ STABLE = [
      'Chunks written to a tier'),
     ("stored_bytes", "counter", ('tier',),
      'Bytes of chunks written to a tier'),
+    ("coded_bytes", "counter", ('tier', 'codec'),
+     "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec after fallbacks: naive, "
+     "lossless, fp8); stored_bytes over it is the compression ratio"),
     ("dropped_stores", "counter", ('reason',),
      'Chunks not stored below L1 or at all: arena_full (no L1 memory for a new chunk), '
-     'queue_full (lower-tier write queue full), shutdown (queued at close)'),
+     'queue_full (lower-tier write queue full), shutdown (queued at close), cold_backlog (an L1 '
+     'eviction the compressed cold part of L1 had no time to code)'),
     ("failed_writes", "counter", ('tier',),
      'Writes a lower tier refused or failed (disk full, chunk larger than the tier, Redis down'
      ' or its breaker open)'),

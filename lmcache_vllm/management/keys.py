@@ -38,9 +38,14 @@ def shared_tier(name: str) -> bool:
 
 
 def lmcache_tier(name: str) -> tuple[str, bool]:
-    """(LMCache's tier, shared) of one of our tiers: host memory is `l1`, every lower tier `l2` (its name is the
-    placement's `backend`)."""
-    return ("l1" if name == Tier.LOCAL_CPU else "l2"), shared_tier(name)
+    """(LMCache's tier, shared) of one of our tiers: host memory (L1, and its compressed cold part) is `l1`, every
+    other tier `l2` (its name is the placement's `backend`)."""
+    try:
+        names = Tier(name).event_names
+    except ValueError:
+        names = None
+    in_memory = names is not None and names.medium == "CPU" and names.locality == "LOCAL"
+    return ("l1" if in_memory else "l2"), shared_tier(name)
 
 
 def pack_rank(world_size: int, rank: int) -> int:

@@ -113,8 +113,12 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("read_bytes", "bytes", "Bytes of chunks served by a tier", _T),
     _c("stored_chunks", "chunks", "Chunks written to a tier", _T),
     _c("stored_bytes", "bytes", "Bytes of chunks written to a tier", _T),
+    _c("coded_bytes", "bytes", "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec "
+       "after fallbacks: naive, lossless, fp8); stored_bytes over it is the compression ratio",
+       ("tier", "codec")),
     _c("dropped_stores", "chunks", "Chunks not stored below L1 or at all: arena_full (no L1 memory for a "
-       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
+       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close), cold_backlog (an L1 "
+       "eviction the compressed cold part of L1 had no time to code)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
        "the tier, Redis down or its breaker open)", _T),
     _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake "

@@ -79,6 +79,9 @@ class StorageManager(Steering):
         self.allocator = allocator if allocator is not None else build_allocator(config)
         self.l1 = LocalCPUBackend(self.allocator, keep_entries=config.local_cpu)
         self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
+        for tier in self.lower:
+            tier.attach_l1(self.l1)
+        self._write_tiers = [tier for tier in self.lower if tier.takes_writes]  # (L1's cold part: fed by evictions)
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
@@ -88,7 +91,7 @@ class StorageManager(Steering):
         self._queue: asyncio.Queue[tuple[str, MemoryObj]] = asyncio.run_coroutine_threadsafe(
             self._make_queue(), self._loop).result()
         self._writers: list[asyncio.Task[None]] = []
-        if self.lower:
+        if self._write_tiers:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
         self._quota_checks: Optional[asyncio.Task[None]] = None
@@ -116,9 +119,9 @@ class StorageManager(Steering):
         while True:
             key, obj = await self._queue.get()
             try:
-                results = await asyncio.gather(*(self._put_timed(tier, key, obj) for tier in self.lower),
+                results = await asyncio.gather(*(self._put_timed(tier, key, obj) for tier in self._write_tiers),
                                                return_exceptions=True)
-                for tier, result in zip(self.lower, results):
+                for tier, result in zip(self._write_tiers, results):
                     if isinstance(result, BaseException):  # a refused write (False) the tier counted
                         logs.warn(logger, f"{tier.name}_put_failed", "%s put failed: %r", tier.name, result)
                         metrics.inc("failed_writes", tier=tier.name)
@@ -148,7 +151,7 @@ class StorageManager(Steering):
         k = _key_str(key)
         known = self.l1.keep_entries and self.l1.contains_sync(k)
         self.l1.put_sync(k, obj, tenant)
-        if not self.lower or (known and not self._writes.failed(k)):
+        if not self._write_tiers or (known and not self._writes.failed(k)):
             return  # written through when it was first stored (or read from below); a failed write is retried
         with self._lock:
             if self._closed:
@@ -166,7 +169,7 @@ class StorageManager(Steering):
         """Waits until every one of `keys` is in every lower tier: the writes queued so far ended well, and
         keys with no write seen lately (stored long ago, found in L1, or dropped before any write) are
         there when the tiers are asked. False if one is not, or after `timeout` seconds."""
-        if not self.lower:
+        if not self._write_tiers:
             return True
         deadline = time.monotonic() + timeout
         ok, unseen = self._writes.wait([_key_str(k) for k in keys], timeout)
@@ -182,7 +185,7 @@ class StorageManager(Steering):
             return False
 
     async def _in_every_lower_tier(self, keys: list[str]) -> bool:
-        tiers = [tier for tier in self.lower if tier.holds_payloads]
+        tiers = [tier for tier in self._write_tiers if tier.holds_payloads]
         found = await asyncio.gather(*(tier.contains(keys) for tier in tiers), return_exceptions=True)
         return all(not isinstance(f, BaseException) and all(f) for f in found)
 
@@ -377,7 +380,7 @@ class StorageManager(Steering):
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until queued write-throughs are done (tests, benchmarks, shutdown); False on timeout."""
-        if self._closed or not self.lower:
+        if self._closed or not self._write_tiers:
             return True
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._queue.join(), timeout), self._loop)
         try:

@@ -12,7 +12,7 @@ import logging
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage.base import release_objs
+from lmcache_vllm.storage.base import StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.reads import LowerTierReads
 
@@ -82,13 +82,20 @@ class Steering(LowerTierReads):
 
     def remove(self, keys: Sequence[KeyLike], *, l1: bool, lower: bool, force: bool,
                keep: Callable[[str], bool] = lambda key: False, timeout: float = 10.0) -> tuple[int, int]:
-        """Deletes `keys` from L1 and/or the lower tiers that keep payloads: (chunks deleted, L1 chunks skipped).
-        Without `force`, an L1 chunk someone holds (a pin, a load, a send) or `keep(key)` names is skipped; with it,
-        the chunk leaves the index at once and its memory when its holders let go. The lower tiers go first, so
-        that a P2P listing kept for the disk (p2p_serve_disk) is withdrawn with L1's."""
+        """Deletes `keys` from L1 (`l1`: its compressed cold part too) and/or the lower tiers that keep payloads
+        (`lower`): (chunks deleted, L1 chunks skipped). Without `force`, an L1 chunk someone holds (a pin, a load,
+        a send) or `keep(key)` names is skipped; with it, the chunk leaves the index at once and its memory when its
+        holders let go. The lower tiers go first, so that a P2P listing kept for the disk (p2p_serve_disk) is
+        withdrawn with L1's."""
         ks = [_key_str(k) for k in keys]
         deleted = skipped = 0
-        tiers = [t for t in self.lower if t.holds_payloads] if lower and not self._closed else []
+
+        def in_memory(tier: StorageBackend) -> bool:
+            names = tier.name.event_names
+            return names is not None and names.medium == "CPU" and names.locality == "LOCAL"
+
+        tiers = [t for t in self.lower if t.holds_payloads and (l1 if in_memory(t) else lower)] \
+            if not self._closed else []
         if tiers and ks:
             async def drop() -> int:
                 count = 0

@@ -11,7 +11,8 @@ published by that peer, as its own. docs/ROUTING.md says what each is worth to a
 the shared pool last; `PEER` (another vLLM instance's L1, pulled for one request in disaggregated prefill:
 `transfer/client.py`) is never in a lookup answer; it and `P2P` (any other instance's L1 the P2P directory names:
 `p2p/`) come last so the lookup wire's tier codes of the others stay as they were, and `MOONCAKE` (a Mooncake
-Store, the shared pool in Redis' place: `mooncake/`) after them, for the same reason. The order of reads is
+Store, the shared pool in Redis' place: `mooncake/`) and `LOCAL_CPU_COLD` (L1's compressed cold part, read first of
+the lower tiers; host memory to a router, like L1) after them, for the same reason. The order of reads is
 `registry.LOWER_TIERS`' (P2P before Redis and Mooncake).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Tier(enum.StrEnum):
     PEER = "peer"  # a prefill instance's L1, read by its decode instance (disaggregated prefill)
     P2P = "p2p"  # other instances' L1 (or disk), found in the P2P directory and pulled (storage/p2p)
     MOONCAKE = "mooncake"  # L3 in a Mooncake Store: the shared pool of a fleet that runs one (storage/mooncake)
+    LOCAL_CPU_COLD = "local_cpu_cold"  # L1's cold part, compressed (storage/local_cpu_cold.py)
 
     @property
     def event_names(self) -> "EventNames | None":
@@ -47,5 +49,6 @@ class EventNames(NamedTuple):
 
 _EVENT_NAMES = {Tier.LOCAL_CPU: EventNames("CPU", "LOCAL", None), Tier.LOCAL_DISK: EventNames("STORAGE", "LOCAL", None),
                 Tier.REDIS: EventNames("STORAGE", "REMOTE", "redis"),
-                Tier.MOONCAKE: EventNames("STORAGE", "REMOTE", "mooncake")}
+                Tier.MOONCAKE: EventNames("STORAGE", "REMOTE", "mooncake"),
+                Tier.LOCAL_CPU_COLD: EventNames("CPU", "LOCAL", None)}
 TIER_NAMES: tuple[str, ...] = tuple(t.value for t in Tier)
