@@ -27,6 +27,7 @@ from management_helpers import (
     start_instance,
     write_token,
 )
+from p2p_helpers import LISTED
 from test_engine import CHUNK
 from test_management_api import bad_bodies
 
@@ -59,6 +60,7 @@ def p2p(fleet: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"enable_p2p": True, "p2p_host": "127.0.0.1",
             "max_local_cpu_size": 64 * CHUNK_BYTES / (1 << 30),
             "extra_config": {"p2p_directory_url": fleet["url"], "remote_key_prefix": fleet["prefix"],
+                             "pd_peers": LISTED,  # without a MAC key, peers must be listed (loopback is nobody's)
                              "p2p_lookup_timeout_secs": 5.0, "p2p_pull_timeout_secs": 2.0,
                              "max_pinned_fraction": 0.5, "max_pinned_fraction_per_salt": 0.25, **extra}}
 

@@ -51,6 +51,9 @@ LOOKED_UP, PINNED, DELETED, MOVED = (h.random_tokens(s, 600) for s in (401, 402,
 FLOOD = [h.random_tokens(500 + i, 1000) for i in range(8)]  # 3 chunks each: 24 chunks, L1 holds 16
 L1_GIB = 16 * 512 / (1 << 20)  # 16 chunks of 512 KiB (the tiny model: 256 tokens x 4 layers x K,V x 128 x bf16)
 PREFIX = f"e2e-mgmt-{uuid.uuid4().hex[:8]}:"
+# Each instance's P2P port, and the peers both trust without a MAC key: each other's ports (loopback is nobody's).
+P2P_PORTS = {"A": free_port(), "B": free_port()}
+PEERS = [f"127.0.0.1:{port}" for port in P2P_PORTS.values()]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -77,8 +80,9 @@ def fleet(redis_server, tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 def instance(model: str, tmp: Path, fleet: dict[str, Any], name: str) -> Iterator[dict[str, Any]]:
     port = free_port()
-    extra = {"enable_p2p": True, "p2p_host": "127.0.0.1", "max_local_cpu_size": L1_GIB,
-             "extra_config": {"p2p_directory_url": fleet["redis"], "remote_key_prefix": PREFIX,
+    extra = {"enable_p2p": True, "p2p_host": "127.0.0.1", "p2p_init_ports": [P2P_PORTS[name]],
+             "max_local_cpu_size": L1_GIB,
+             "extra_config": {"p2p_directory_url": fleet["redis"], "remote_key_prefix": PREFIX, "pd_peers": PEERS,
                               "p2p_lookup_timeout_secs": 2.0, "p2p_pull_timeout_secs": 10.0,
                               "max_pinned_fraction": 0.5, "max_pinned_fraction_per_salt": 0.25,
                               "management_port": port, "management_token_file": str(fleet["token_file"]),
