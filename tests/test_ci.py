@@ -28,3 +28,15 @@ def run_alone(tmp_path: Path, ci: str | None) -> str:
 def test_a_start_up_failure_is_a_skip_outside_ci_and_a_failure_in_ci(tmp_path):
     assert "1 skipped" in run_alone(tmp_path, None)
     assert "1 failed" in run_alone(tmp_path, "true")
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """pytest imports tests/ and tests/e2e/ by basename (no packages): two files with one name stop collection
+    of the whole suite, which a run of only one directory never shows."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(TESTS)} and {path.relative_to(TESTS)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes
