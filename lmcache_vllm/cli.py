@@ -15,7 +15,11 @@
     lmcache-vllm stats --url http://HOST:PORT [--json]
         our part of a running server's /metrics as tables;
     lmcache-vllm keygen
-        prints a fresh random secret for the chunk MAC (LMCACHE_VLLM_CHUNK_MAC_KEY; docs/SECURITY.md).
+        prints a fresh random secret for the chunk MAC (LMCACHE_VLLM_CHUNK_MAC_KEY; docs/SECURITY.md) or a bearer
+        token of the management API;
+    lmcache-vllm coordinator --port P --redis-url URL --token-file F
+        runs the fleet coordinator; lmcache-vllm cache lookup|pin|unpin|delete|prefetch|move ... steers the
+        fleet's cache through it (management/cli.py, docs/MANAGEMENT.md).
 
 The tools live in `lmcache_vllm/admin/`. Exit codes: see `EXIT_*`.
 """
@@ -44,6 +48,8 @@ USAGE = """usage: lmcache-vllm serve MODEL [vllm serve options...]
        lmcache-vllm ping --redis URL [--json]
        lmcache-vllm stats --url http://HOST:PORT [--json]
        lmcache-vllm keygen   (a fresh chunk MAC secret: export LMCACHE_VLLM_CHUNK_MAC_KEY=$(lmcache-vllm keygen))
+       lmcache-vllm coordinator --port P --redis-url URL --token-file F
+       lmcache-vllm cache lookup|pin|unpin|delete|prefetch|move --coordinator URL --model M (--prompt T|--token-ids ..)
        lmcache-vllm VLLM_SUBCOMMAND [...]   (passed to vLLM's CLI unchanged)"""
 
 
@@ -180,6 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(secrets.token_urlsafe(32))  # 256 random bits, printable, no quoting needed in a shell
         return EXIT_OK
+    if args[0] == "coordinator":
+        from lmcache_vllm.management.cli import coordinator_main
+
+        return coordinator_main(args[1:])
+    if args[0] == "cache":
+        from lmcache_vllm.management.cli import cache_main
+
+        return cache_main(args[1:])
     if args[0] == "build-model":
         from lmcache_vllm.integration.vllm.testing.local_model import main as build_main
 

@@ -12,6 +12,11 @@ prefix-chain digests ("extras/v1", see `tokens.py`):
 `to_bytes` / `from_bytes` is the pickle-free form that travels in lookup messages; `from_bytes` checks
 every length and raises `ValueError` on anything malformed. An empty `ExtraKeys` (plain text) encodes to
 b"" and changes no digest.
+
+The request prefix is a run of tagged items (`prefix_item`: tag + u32 length + value): the LoRA adapter's
+(`LORA_TAG`), then the cache salt's (`SALT_TAG`). `for_salt(salt)` is what a plain-text request with that
+`cache_salt` gets (so a management API resolves tokens to the keys such a request loads), `tenant_of(extra)`
+reads the salt back (the tenant a chunk's pins and quota count for).
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ _U32 = struct.Struct("<I")
 _SPAN_HEAD = struct.Struct("<qqI")  # start, end, data length
 _WIRE_MAGIC = b"LMXK\x01"
 MAX_EXTRA_BYTES = 1 << 20  # one request's description; bounds what a lookup message may carry
+LORA_TAG = b"lora"
+SALT_TAG = b"salt"
 
 
 @dataclass(frozen=True)
@@ -120,3 +127,30 @@ class ExtraKeys:
 
 
 NO_EXTRA_KEYS = ExtraKeys()
+
+
+def prefix_item(tag: bytes, value: bytes) -> bytes:
+    """One item of a request prefix (or of a span's data): `tag`, u32 length, `value`."""
+    return tag + _U32.pack(len(value)) + value
+
+
+def for_salt(salt: str) -> ExtraKeys:
+    """The extra keys of a plain-text request (no LoRA, no multimodal items) with this `cache_salt`."""
+    return ExtraKeys(prefix_item(SALT_TAG, salt.encode("utf-8"))) if salt else NO_EXTRA_KEYS
+
+
+def tenant_of(extra: ExtraKeys | None) -> str:
+    """The `cache_salt` a request's extra keys carry ("" when none): the prefix items are the LoRA adapter's,
+    then the salt's."""
+    prefix = extra.prefix if extra else b""
+    pos = 0
+    while pos + len(SALT_TAG) + _U32.size <= len(prefix):
+        tag = prefix[pos:pos + len(SALT_TAG)]
+        (length,) = _U32.unpack_from(prefix, pos + len(tag))
+        start = pos + len(tag) + _U32.size
+        if tag == SALT_TAG:
+            return prefix[start:start + length].decode("utf-8", "replace")
+        if tag != LORA_TAG:
+            return ""
+        pos = start + length
+    return ""

@@ -239,8 +239,16 @@ STABLE = [
      'Hints in kv_transfer_params that were ignored (reason: malformed, unknown, bad_skip_save, '
      'bad_pin_tokens, pins_disabled)'),
     ("pins_released", "counter", ('reason',),
-     'Pinned prefixes let go before a later pin (reason: budget, the oldest when '
-     'extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)'),
+     'Pins that ended (reason: unpinned, expired after pin_ttl_secs, dropped by a forced delete, reset, '
+     'shutdown)'),
+    ("pins_refused", "counter", ('reason',),
+     "Pins (a request's lmcache.pin_tokens, the management API's) refused (reason: tenant_budget, "
+     "total_budget, off)"),
+    ("management_requests", "counter", ('route', 'code'),
+     "Calls to this instance's management API (route: method and path template; code: the HTTP status "
+     "answered)"),
+    ("quota_evictions", "counter", ('tier',),
+     'L1 chunks evicted because their tenant (cache_salt) was past its quota'),
     ("sglang_pages", "counter", ("op", "outcome"),
      "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, exists) and outcome (ok: "
      "stored, loaded into SGLang's host pool or found; missed: not found or not readable in time, a corrupt page "
@@ -276,7 +284,7 @@ STABLE = [
     ("p2p_directory_entries", "gauge", (),
      'Chunks this instance lists in the P2P directory (its L1; what peers can pull)'),
     ("pinned_prefixes", "gauge", (),
-     "Prefixes pinned in L1 by requests' lmcache.pin_tokens"),
+     "Prefixes pinned in L1 (requests' lmcache.pin_tokens and the management API's pins)"),
     ("pinned_bytes", "gauge", (),
      'Bytes of the L1 chunks those pins keep'),
 ]

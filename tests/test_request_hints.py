@@ -3,20 +3,23 @@ client's params without raising, skip_save and pin_tokens through the scheduler 
 SchedulerOutput, and pins that keep chunks in a real L1 within their budget."""
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("vllm")  # the hints travel in vLLM's connector metadata
 
-from test_engine import CHUNK, make_caches, make_engine, slots_for  # noqa: E402
+from test_engine import CHUNK, make_caches, make_engine, slots_for, worker_config  # noqa: E402
 from test_integration_scheduler import BLOCK, PrefixStore, cached_step, new_step  # noqa: E402
 from test_integration_scheduler import CHUNK as SCHED_CHUNK  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from lmcache_vllm.config import LMCacheConfig, load_config  # noqa: E402
-from lmcache_vllm.integration.vllm.metadata import PinSpec  # noqa: E402
+from lmcache_vllm.extra_keys import for_salt  # noqa: E402
+from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PinSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.request_hints import (  # noqa: E402
     NO_HINTS,
     RequestHints,
@@ -24,13 +27,9 @@ from lmcache_vllm.integration.vllm.request_hints import (  # noqa: E402
     parse_hints,
 )
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
-from lmcache_vllm.memory import HostAllocator  # noqa: E402
+from lmcache_vllm.integration.vllm.worker import WorkerHalf  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
-from lmcache_vllm.storage.local_cpu import LocalCPUBackend  # noqa: E402
-from lmcache_vllm.storage.pins import PinnedPrefixes  # noqa: E402
-
-SHAPE = (4, 1024)  # 16 KiB of float32
-NBYTES = 4 * 1024 * 4
+from lmcache_vllm.storage.pins import PinLedger  # noqa: E402
 
 
 @pytest.mark.parametrize("params, hints, refused", [
@@ -59,58 +58,6 @@ def test_pin_hints_refused_where_pins_are_off():
     assert parse_hints({"lmcache.pin_tokens": 64}, pins_enabled=False) == (NO_HINTS, ["pins_disabled"])
 
 
-# ---------------------------------------------------------------------------------------- PinnedPrefixes
-def _stored(l1: LocalCPUBackend, key: str):
-    obj = l1.allocate(SHAPE, torch.float32)
-    l1.put_sync(key, obj)
-    obj.ref_down()  # the caller's ref; the index keeps its own
-
-
-def _held(l1: LocalCPUBackend, *keys: str):
-    return [l1.get_sync(k) for k in keys]
-
-
-def test_pins_keep_chunks_in_l1_under_pressure_and_release_the_oldest_beyond_budget():
-    l1 = LocalCPUBackend(HostAllocator(6 * NBYTES))
-    for key in "abcdef":
-        _stored(l1, key)
-    pins = PinnedPrefixes(budget_bytes=3 * NBYTES)
-    assert pins.add("ab", _held(l1, "a", "b"))
-    for key in "ghij":  # four new chunks: only c..f can make room
-        _stored(l1, key)
-    assert l1.contains_sync("a") and l1.contains_sync("b")
-    assert pins.pinned_bytes == 2 * NBYTES and len(pins) == 1
-    gh = _held(l1, "g", "h")
-    assert pins.add("gh", gh)  # 4 chunks > budget: the oldest pin goes
-    assert len(pins) == 1 and pins.pinned_bytes == 2 * NBYTES
-    assert metrics.value("pins_released", reason="budget") == 1
-    _stored(l1, "k")
-    _stored(l1, "l")
-    assert not l1.contains_sync("a") and l1.contains_sync("g") and l1.contains_sync("h")
-    pins.close()
-    assert [o.ref_count for o in gh] == [1, 1]  # L1's own reference only: evictable again
-
-
-def test_a_prefix_larger_than_the_budget_is_not_pinned_and_renewing_keeps_one_pin():
-    l1 = LocalCPUBackend(HostAllocator(4 * NBYTES))
-    for key in "abc":
-        _stored(l1, key)
-    pins = PinnedPrefixes(budget_bytes=2 * NBYTES)
-    objs = _held(l1, "a", "b", "c")
-    assert not pins.add("abc", objs)
-    assert [o.ref_count for o in objs] == [1, 1, 1]  # the references were dropped again
-    assert metrics.value("pins_released", reason="too_large") == 1
-    assert pins.add("ab", _held(l1, "a", "b"))
-    assert pins.add("ab", _held(l1, "a", "b"))  # renewed, not doubled
-    assert len(pins) == 1 and [o.ref_count for o in objs[:2]] == [2, 2]
-    assert not pins.add("gone", [])  # nothing of a prefix in L1: no pin, the others stay
-    assert len(pins) == 1
-    pins.clear()
-    assert pins.pinned_bytes == 0 and [o.ref_count for o in objs] == [1, 1, 1]
-    snapshot = metrics.snapshot()
-    assert metrics.value("pinned_bytes", snapshot) == 0
-
-
 # ---------------------------------------------------------------------------------------- WorkerPins
 class _Saves:
     """The save queue with nothing in flight: `when_done` calls back at once (as SaveQueue does)."""
@@ -124,18 +71,113 @@ def test_worker_pins_an_engines_stored_prefix_and_skips_failed_loads():
     try:
         tokens = np.arange(1000, 1000 + 3 * CHUNK, dtype=np.int64)
         assert engine.store(tokens, make_caches(True), slots_for(len(tokens), seed=1)) == 3 * CHUNK
-        pins = WorkerPins(engine, budget_bytes=engine.config.max_local_cpu_bytes)
+        budget = engine.config.max_local_cpu_bytes
+        pins = WorkerPins(engine, PinLedger(budget, budget, ttl_s=None))
         pins.pin([PinSpec("failed", tokens[:CHUNK])], _Saves(), failed={"failed"})
-        assert len(pins.pins) == 0
+        assert len(pins.ledger) == 0
         pins.pin([PinSpec("a", tokens[:2 * CHUNK])], _Saves(), failed=set())
-        assert len(pins.pins) == 1 and pins.pins.pinned_bytes > 0
+        pins.pin([PinSpec("b", tokens[:2 * CHUNK])], _Saves(), failed=set())  # the same prefix: renewed
+        assert len(pins.ledger) == 1 and pins.ledger.pinned_bytes > 0
+        (entry,) = pins.ledger.entries()
+        assert entry.tenant == "" and entry.count == 0  # a hint renews, it does not count
         keys, objs = engine.hold_prefix(tokens[:2 * CHUNK])
         assert [o.ref_count for o in objs] == [3, 3]  # L1's, the pin's, ours just now
         for obj in objs:
             obj.ref_down()
-        pins.close()
+        pins.ledger.close()
     finally:
         engine.close()
+
+
+def test_a_hint_pin_belongs_to_the_requests_salt_and_a_full_tenant_is_refused_not_someone_else():
+    """Issue 39: lmcache.pin_tokens pins are owned per cache_salt within that salt's budget; before, all pins
+    shared one global budget whose oldest pin went first, so one tenant's pins pushed out everyone else's."""
+    engine = make_engine()
+    try:
+        prompts = {name: np.arange(base, base + 2 * CHUNK, dtype=np.int64)
+                   for name, base in (("a", 1000), ("b", 5000), ("b2", 9000))}
+        owner = {"a": "a", "b": "b", "b2": "b"}  # b2: another prompt of tenant b
+        for name, tokens in prompts.items():
+            engine.store(tokens, make_caches(True), slots_for(len(tokens), seed=1), extra=for_salt(owner[name]))
+        chunk_bytes = engine.hold_prefix(prompts["a"][:CHUNK], for_salt("a"))[1][0]
+        nbytes = chunk_bytes.reserved
+        chunk_bytes.ref_down()
+        ledger = PinLedger(total_budget_bytes=8 * nbytes, tenant_budget_bytes=2 * nbytes, ttl_s=None)
+        pins = WorkerPins(engine, ledger)
+        pins.pin([PinSpec("a", prompts["a"], for_salt("a"))], _Saves(), failed=set())
+        pins.pin([PinSpec("b", prompts["b"], for_salt("b"))], _Saves(), failed=set())
+        pins.pin([PinSpec("b2", prompts["b2"], for_salt(owner["b2"]))], _Saves(), failed=set())  # past b's budget
+        assert sorted(e.tenant for e in ledger.entries()) == ["a", "b"]  # a's pin stays
+        assert ledger.usage() == {"a": 2 * nbytes, "b": 2 * nbytes}
+        assert metrics.value("pins_refused", reason="tenant_budget") == 1
+        ledger.close()
+    finally:
+        engine.close()
+
+
+def _salted(salt: str):
+    """A request's extra keys for its cache_salt, spelled out (request_keys.py's encoding)."""
+    return for_salt(salt)
+
+
+def test_one_tenants_pins_cannot_push_out_another_tenants_pin():
+    """Issue 39, "a greedy pin": with room for four pinned chunks, tenant a pins two, then tenant b pins two
+    prompts of two. Before, b's second pin let a's go (one global FIFO without owners); now it is refused and
+    a's chunks stay pinned. Driven through the worker half, as the scheduler's metadata drives it."""
+    engine = make_engine()
+    caches = make_caches(True)
+    nbytes = 2 * 2 * CHUNK * 128 * 2  # one chunk: layers x K/V x tokens x (heads x head size) x bf16
+    fraction = 4 * nbytes / engine.config.max_local_cpu_bytes
+    config = worker_config(engine)
+    config = dataclasses.replace(config, extra_config=dataclasses.replace(
+        config.extra_config, max_pinned_fraction=fraction, max_pinned_fraction_per_salt=fraction))
+    worker = WorkerHalf(config, engine_factory=lambda _: engine, block_size=16, lookup_address=None)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        prompts = [("a", 1000), ("b", 5000), ("b", 9000)]
+        for n, (salt, base) in enumerate(prompts):
+            tokens = np.arange(base, base + 2 * CHUNK, dtype=np.int64)
+            engine.store(tokens, caches, slots_for(len(tokens), seed=1), extra=_salted(salt))
+            worker.begin_step()
+            worker.wait_for_save(LMCacheConnectorMetadata(pins=[PinSpec(f"r{n}", tokens, _salted(salt))]))
+        keys, objs = engine.hold_prefix(np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64), _salted("a"))
+        assert [o.ref_count for o in objs] == [3, 3]  # L1's, a's pin, ours: still pinned
+        for obj in objs:
+            obj.ref_down()
+    finally:
+        worker.shutdown()
+
+
+def test_a_hint_pin_ends_pin_ttl_secs_after_it_was_last_renewed():
+    """Issue 39: a request's pin has an expiry (before, it stayed until pushed out or a reset)."""
+    engine = make_engine()
+    caches = make_caches(True)
+    config = worker_config(engine)
+    config = dataclasses.replace(config, extra_config=dataclasses.replace(
+        config.extra_config, max_pinned_fraction=0.5, max_pinned_fraction_per_salt=0.5, pin_ttl_secs=0.2))
+    worker = WorkerHalf(config, engine_factory=lambda _: engine, block_size=16, lookup_address=None)
+    worker.register_kv_caches({f"layer.{i}": c for i, c in enumerate(caches)})
+    try:
+        tokens = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)
+        engine.store(tokens, caches, slots_for(len(tokens), seed=1))
+        worker.begin_step()
+        worker.wait_for_save(LMCacheConnectorMetadata(pins=[PinSpec("r", tokens)]))
+
+        def references() -> list[int]:
+            objs = engine.hold_prefix(tokens)[1]
+            counts = [o.ref_count - 1 for o in objs]  # without ours
+            for obj in objs:
+                obj.ref_down()
+            return counts
+
+        assert references() == [2, 2]  # L1's and the pin's
+        time.sleep(0.3)
+        worker.begin_step()
+        worker.wait_for_save(LMCacheConnectorMetadata())  # any step lets go what expired
+        assert references() == [1, 1]  # L1's only: evictable again
+        assert metrics.value("pins_released", reason="expired") == 1
+    finally:
+        worker.shutdown()
 
 
 # ---------------------------------------------------------------------------------------- the scheduler half
@@ -168,7 +210,7 @@ def test_skip_save_stores_nothing_of_the_request_and_counts_the_hint():
 
 
 def test_pin_goes_out_once_when_the_prefix_kv_exists_in_whole_chunks():
-    half = _half()
+    half = _half(extra_config={"max_pinned_fraction": 0.25})
     first, second = _run_prompt(half, _request("a", 700, {"lmcache.pin_tokens": 600}), 700)
     assert first.pins == []  # 512 tokens pinned: their KV exists only after the second step
     (pin,) = second.pins
@@ -180,13 +222,13 @@ def test_pin_goes_out_once_when_the_prefix_kv_exists_in_whole_chunks():
 
 
 def test_bad_hints_are_counted_and_change_nothing():
-    half = _half()
+    half = _half(extra_config={"max_pinned_fraction": 0.25})
     first, second = _run_prompt(half, _request("a", 700, {"lmcache.pin_tokens": "all", "lmcache.skip_save": 1,
                                                           "lmcache.tag.x": "y"}), 700)
     assert [s.num_tokens for s in first.saves + second.saves] == [256, 512] and second.pins == []
     for reason in ("bad_pin_tokens", "bad_skip_save", "unknown"):
         assert metrics.value("refused_request_hints", reason=reason) == 1
-    off = _half(extra_config={"max_pinned_fraction": 0})
+    off = _half()  # pins are off unless configured (issue 39)
     _run_prompt(off, _request("b", 700, {"lmcache.pin_tokens": 256}), 700)
     assert metrics.value("refused_request_hints", reason="pins_disabled") == 1
 

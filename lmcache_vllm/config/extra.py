@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from lmcache_vllm.config.fields import (
+    MISSING,
+    Problem,
     at_least,
     greater_than,
     normalize_fields,
@@ -25,6 +27,7 @@ from lmcache_vllm.config.fields import (
 )
 from lmcache_vllm.config.peers import check_peers
 from lmcache_vllm.config.redact import remember_secret
+from lmcache_vllm.config.values import http_url_problem
 from lmcache_vllm.cpu_affinity import parse_cpu_list
 
 POSITIVE_INT = at_least(1, "an integer")
@@ -36,6 +39,10 @@ MAX_RANKS = 256  # ports above a base port kept free for the ranks
 
 def _port_base(value: int) -> Optional[str]:
     return None if 0 <= value <= 65535 - MAX_RANKS else f"a port from 0 to {65535 - MAX_RANKS}"
+
+
+def _port(value: int) -> Optional[str]:
+    return None if 0 <= value <= 65535 else "a port from 0 to 65535"
 
 
 def _cpu_choice(value: str) -> Optional[str]:
@@ -121,10 +128,19 @@ class ExtraConfig:
                                              "(during start-up), 'background' (low-priority thread) or 'off'",
                                       choices=("off", "background", "sync"),
                                       value_aliases={False: "off", True: "background"})
-    max_pinned_fraction: float = setting(0.25, "L1 that prefixes pinned by requests (kv_transfer_params "
-                                               "lmcache.pin_tokens) may keep at most, as a fraction of "
-                                               "max_local_cpu_size; the oldest pins are let go first; 0: pin "
-                                               "hints are refused", check=_fraction)
+    max_pinned_fraction: float = setting(0.0, "L1 that pinned prefixes (requests' lmcache.pin_tokens, the "
+                                              "management API's pins) may keep at most, every tenant together, "
+                                              "as a fraction of max_local_cpu_size; a pin past it is refused "
+                                              "(never made by letting another pin go); 0: pins are off",
+                                        check=_fraction)
+    max_pinned_fraction_per_salt: float = setting(0.05, "L1 the pins of one tenant (one cache_salt; requests "
+                                                        "without one are the tenant '') may keep at most, as a "
+                                                        "fraction of max_local_cpu_size (within "
+                                                        "max_pinned_fraction); a pin past it is refused",
+                                                  check=_fraction)
+    pin_ttl_secs: Optional[float] = setting(3600.0, "a pin ends this long after it was last pinned (a request's "
+                                                    "lmcache.pin_tokens or the management API renews it); null: "
+                                                    "never", check=SECONDS)
     local_cpu_cold_fraction: float = setting(0.0, "part of max_local_cpu_size that keeps L1's least recently used "
                                                   "chunks lossless-coded (1.47x fewer bytes on bf16 KV: more "
                                                   "distinct prompts in the same memory; a hit there is decoded "
@@ -259,6 +275,26 @@ class ExtraConfig:
                                        "error is logged and the torch path used), 'on' (the same check; a "
                                        "mismatch or a missing kernel stops the start), 'off' (torch path)",
                                choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
+    # Management API and fleet coordinator (docs/MANAGEMENT.md)
+    management_port: int = setting(0, "port of this instance's management API (LMCache's MP-server HTTP paths: "
+                                      "lookup, delete, clear, prefetch, pins, quotas), served by vLLM's "
+                                      "engine-core process for every tensor-parallel rank; 0: off",
+                                   check=_port)
+    management_host: str = setting("127.0.0.1", "address the management API binds (\"0.0.0.0\": every "
+                                                "interface; the coordinator is then told this host's address)")
+    management_token_file: Optional[str] = setting(None, "file holding the bearer token every write to the "
+                                                         "management API needs (and every read from off "
+                                                         "loopback); required with management_port; the "
+                                                         "coordinator's token (docs/SECURITY.md); never logged",
+                                                   check=READABLE_FILE)
+    coordinator_url: Optional[str] = setting(None, "http://host:port of the fleet coordinator (lmcache-vllm "
+                                                   "coordinator) this instance registers with and heartbeats "
+                                                   "to (needs management_port); null: none")
+    coordinator_heartbeat_secs: float = setting(5.0, "how often an instance renews its registration with the "
+                                                     "coordinator (which drops it after its --instance-timeout)",
+                                                check=SECONDS)
+    quota_evict_batch: int = setting(64, "most chunks one tenant's quota check evicts at once from L1 (the rest "
+                                         "at its next store)", check=POSITIVE_INT)
     # Operations
     reset_lower_tiers: bool = setting(False, "vLLM's /reset_prefix_cache?reset_external=true also empties "
                                              "L2 and L3 (shared with other instances); false: only L1")
@@ -285,7 +321,18 @@ class ExtraConfig:
                                               "to start")
 
     def __post_init__(self) -> None:
-        raise_if_any(normalize_fields(self, prefix="extra_config."))
+        problems = normalize_fields(self, prefix="extra_config.")
+        if self.management_port and not self.management_token_file:
+            problems.append(Problem("extra_config.management_token_file", MISSING, "required with management_port: "
+                                    "every write to the management API needs its bearer token "
+                                    "(docs/MANAGEMENT.md)"))
+        if self.coordinator_url is not None:
+            message = http_url_problem(self.coordinator_url)
+            if message is None and not self.management_port:
+                message = "needs extra_config.management_port: the coordinator steers this instance through it"
+            if message is not None:
+                problems.append(Problem("extra_config.coordinator_url", self.coordinator_url, message))
+        raise_if_any(problems)
         for key in self.chunk_mac_key or ():
             remember_secret(key)  # from now on redacted from any text we show
 

@@ -108,3 +108,19 @@ def with_credentials(url: str, username: str, password: str) -> str:
         return url
     userinfo = quote(username, safe="") + (":" + quote(password, safe="") if password else "")
     return f"{scheme}://{userinfo}@{rest}"
+
+
+def http_url_problem(url: str) -> Optional[str]:
+    """What is wrong with an http(s)://host:port URL (the coordinator's), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"expected http://host:port ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return "expected http://host:port or https://host:port"
+    if parts.username or parts.password or parts.query or parts.fragment or parts.path not in ("", "/"):
+        return "expected http://host:port with nothing else (the token comes from management_token_file)"
+    return None

@@ -11,6 +11,7 @@ arena range is never reused while a copy may still read it. On the CPU both happ
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.engine.holds import HeldPrefix
-from lmcache_vllm.extra_keys import ExtraKeys
+from lmcache_vllm.extra_keys import ExtraKeys, tenant_of
 from lmcache_vllm.layouts.base import PagedKVLayout
 from lmcache_vllm.layouts.streams import DeferredRelease, Fence
 from lmcache_vllm.memory import MemoryObj, release_all
@@ -156,7 +157,8 @@ class CacheEngine:
         first, last = int(wanted[0]) // cs, int(wanted[-1]) // cs
         self._note_for_events(tokens, chunks[:last + 1], extra)  # read from below, it lands in L1
         chunks = chunks[first:last + 1]
-        objs = self.storage.get([c.key for c in chunks], owner, lower_tiers, expected=self._specs(chunks))
+        objs = self.storage.get([c.key for c in chunks], owner, lower_tiers, expected=self._specs(chunks),
+                                tenant=tenant_of(extra))
         whole = self.layout.chunk_shape(self.keys.chunk_size)
         dtype = self.layout.geometry.dtype
         for chunk, obj in zip(chunks, objs):
@@ -231,7 +233,8 @@ class CacheEngine:
         chunks = self._chunks(tokens, self.config.save_unfull_chunk or peer is not None, extra)
         self._note_for_events(tokens, chunks, extra)  # what the prefetch reads from below lands in L1
         chunks = chunks[first:]
-        handle = self.storage.prefetch([c.key for c in chunks], peer=peer, expected=self._specs(chunks))
+        handle = self.storage.prefetch([c.key for c in chunks], peer=peer, expected=self._specs(chunks),
+                                       tenant=tenant_of(extra))
         return HeldPrefix(handle, first * cs, [c.end for c in chunks])
 
     def hold_prefix(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> tuple[list[str], list[MemoryObj]]:
@@ -263,8 +266,9 @@ class CacheEngine:
                 self.layout.gather_chunks(kv_caches, self._slots_of(slot_mapping, [c for c, _ in gathered]),
                                           [obj.tensor for _, obj in gathered])
             Fence.record(_device(kv_caches)).wait()  # the chunks hold the KV now (a GPU enqueued the gathers)
+            tenant = tenant_of(extra)
             for chunk, obj in gathered:
-                self.storage.put(chunk.key, obj)
+                self.storage.put(chunk.key, obj, tenant)
                 stored += chunk.num_tokens
         finally:
             self._release_after(kv_caches, [obj for _, obj in gathered])
@@ -321,8 +325,9 @@ class CacheEngine:
                 yield layer
             Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
             stored = 0
+            tenant = tenant_of(extra)
             for chunk, obj in zip(chunks, objs):
-                self.storage.put(chunk.key, obj)
+                self.storage.put(chunk.key, obj, tenant)
                 stored += chunk.num_tokens
             self._count("stored", stored)
             return stored
@@ -354,6 +359,18 @@ class CacheEngine:
                 yield layer
         finally:
             self._release_after(kv_caches, plan.objs)
+
+    def chunk_keys(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> list[CacheKey]:
+        """The keys of the whole chunks of `tokens`: exactly what a request with these tokens and extra keys
+        stores and loads (the management API resolves token ids with it)."""
+        return [c.key for c in self._chunks(tokens, False, extra)]
+
+    def warm(self, keys: Sequence[CacheKey], tenant: str = "",
+             timeout: float = 60.0) -> "concurrent.futures.Future[list[bool]]":
+        """Reads whole chunks `keys` that L1 lacks from the lower tiers (other instances' L1 through P2P too)
+        into L1 and keeps them (`StorageManager.warm`); the future says which it brought."""
+        shape = (tuple(self.layout.chunk_shape(self.keys.chunk_size)), self.layout.geometry.dtype)
+        return self.storage.warm(keys, [shape] * len(keys), tenant, timeout)
 
     def wait_written(self, tokens: TokenIds, timeout: float, extra: ExtraKeys | None = None) -> bool:
         """Waits (at most `timeout` s) until the chunks of `tokens` are written to every lower tier

@@ -296,6 +296,11 @@ class HostAllocator:
         return MemoryObj(self, offset, nbytes, reserved, shape, dtype, tensor)
 
     # ---- eviction ---------------------------------------------------------------------------
+    def lru_ids(self) -> list[int]:
+        """`id()` of every evictable object, least recently used first (a snapshot: a quota's eviction order)."""
+        with self._cond:
+            return list(self._lru)
+
     def _pick_victims(self, reserved: int) -> list[tuple[MemoryObj, EvictCallback]]:
         """Takes LRU objects whose eviction frees memory until enough bytes could be free."""
         free_total = self._capacity - self._used

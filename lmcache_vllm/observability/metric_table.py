@@ -214,8 +214,15 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "(hint: skip_save, pin)", ("hint",), scope="engine"),
     _c("refused_request_hints", "requests", "Hints in kv_transfer_params that were ignored (reason: "
        "malformed, unknown, bad_skip_save, bad_pin_tokens, pins_disabled)", ("reason",), scope="engine"),
-    _c("pins_released", "prefixes", "Pinned prefixes let go before a later pin (reason: budget, the "
-       "oldest when extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)", ("reason",)),
+    _c("pins_released", "prefixes", "Pins that ended (reason: unpinned, expired after pin_ttl_secs, dropped by "
+       "a forced delete, reset, shutdown)", ("reason",)),
+    _c("pins_refused", "prefixes", "Pins (a request's lmcache.pin_tokens, the management API's) refused "
+       "(reason: tenant_budget, total_budget, off)", ("reason",)),
+    # -- the management API (docs/MANAGEMENT.md)
+    _c("management_requests", "requests", "Calls to this instance's management API (route: method and path "
+       "template; code: the HTTP status answered)", ("route", "code"), scope="engine"),
+    _c("quota_evictions", "chunks", "L1 chunks evicted because their tenant (cache_salt) was past its quota",
+       _T),
     # -- SGLang's HiCache storage backend (docs/SGLANG.md): calls of SGLang's cache controller into our tiers
     _c("sglang_pages", "pages", "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, "
        "exists) and outcome (ok: stored, loaded into SGLang's host pool or found; missed: not found or not "
@@ -243,7 +250,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _g("pd_server_connections", "connections", "Connections open to a prefill instance's transfer servers"),
     _g("p2p_directory_entries", "chunks", "Chunks this instance lists in the P2P directory (its L1; what peers "
        "can pull)"),
-    _g("pinned_prefixes", "prefixes", "Prefixes pinned in L1 by requests' lmcache.pin_tokens"),
+    _g("pinned_prefixes", "prefixes", "Prefixes pinned in L1 (requests' lmcache.pin_tokens and the management "
+       "API's pins)"),
     _g("pinned_bytes", "bytes", "Bytes of the L1 chunks those pins keep"),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in METRIC_LIST}

@@ -7,7 +7,9 @@ it used. All operations are synchronous and thread-safe (the engine's thread and
 thread both call them); async wrappers satisfy `StorageBackend`. `on_removed(listener)`: `listener(key)` is
 called (outside the index's lock, on whichever thread removed it) for every entry that leaves: evicted,
 removed or cleared (P2P withdraws it from its directory); `on_evicted(listener)`: `listener(key, obj)` for an
-evicted one while its bytes are still there.
+evicted one while its bytes are still there. Each entry counts for the tenant (`cache_salt`) that stored or
+loaded it (`tenants`, `storage/tenants.py`): a tenant past its quota loses its own least recently used chunks
+(`enforce_quota`), nobody else's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from lmcache_vllm.memory import AllocationError, AllocFn, HostAllocator, MemoryObj, touch_all
 from lmcache_vllm.observability import kv_events, metrics
 from lmcache_vllm.storage.base import StorageBackend
+from lmcache_vllm.storage.tenants import TenantUsage
 from lmcache_vllm.storage.tier import Tier
 
 
@@ -35,6 +38,8 @@ class LocalCPUBackend(StorageBackend):
         self._key_of: dict[int, str] = {}  # id(obj) -> key, for the eviction callback
         self._removal_listeners: list[Callable[[str], None]] = []
         self._eviction_listeners: list[Callable[[str, MemoryObj], None]] = []
+        self.tenants = TenantUsage()
+        self.quota_batch = 64  # most chunks one quota check evicts (extra_config.quota_evict_batch)
 
     def on_removed(self, listener: Callable[[str], None]) -> None:
         """`listener(key)` for every entry that leaves L1 from now on (it must not raise or block)."""
@@ -46,6 +51,7 @@ class LocalCPUBackend(StorageBackend):
         self._eviction_listeners.append(listener)
 
     def _removed(self, key: str) -> None:
+        self.tenants.removed(key)
         kv_events.removed(key, self.name)
         for listener in self._removal_listeners:
             listener(key)
@@ -94,8 +100,9 @@ class LocalCPUBackend(StorageBackend):
         touch_all(out)
         return out
 
-    def put_sync(self, key: str, obj: MemoryObj) -> bool:
-        """Indexes `obj` under `key` with the index's own reference; an existing entry is kept."""
+    def put_sync(self, key: str, obj: MemoryObj, tenant: str = "") -> bool:
+        """Indexes `obj` under `key` with the index's own reference, counted for `tenant` (see the module
+        docstring); an existing entry is kept."""
         if not self.keep_entries:
             return False
         with self._lock:
@@ -104,11 +111,57 @@ class LocalCPUBackend(StorageBackend):
             obj.ref_up()
             self._index[key] = obj
             self._key_of[id(obj)] = key
+            self.tenants.added(key, tenant, obj.reserved)
         obj.set_evictor(self._on_evict)
         kv_events.stored(key, self.name)
         metrics.inc("stored_chunks", tier=self.name)
         metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
+        if self.tenants.over(tenant):
+            self.enforce_quota(tenant)
         return True
+
+    def enforce_quota(self, tenant: str, keep: Callable[[str], bool] = lambda key: False) -> int:
+        """Evicts `tenant`'s least recently used chunks while it is past its quota (at most `quota_batch` at once),
+        skipping chunks someone else holds (a pin, a load, a send) and those `keep(key)` names; how many went."""
+        evicted = 0
+        while self.tenants.over(tenant) and evicted < self.quota_batch:
+            keys = self.tenants.keys(tenant)
+            with self._lock:
+                objs = {id(obj): key for key in keys if (obj := self._index.get(key)) is not None}
+            victims = [objs[i] for i in self.allocator.lru_ids() if i in objs]
+            gone = 0
+            for key in victims:
+                if not self.tenants.over(tenant) or evicted >= self.quota_batch:
+                    break
+                with self._lock:
+                    obj = self._index.get(key)
+                    busy = obj is None or obj.ref_count != 1
+                if busy or keep(key):
+                    continue
+                if self.remove_sync(key):
+                    evicted += 1
+                    gone += 1
+            if not gone:
+                break  # everything left of the tenant is held: nothing more can go now
+        if evicted:
+            metrics.inc("quota_evictions", evicted, tier=self.name)
+        return evicted
+
+    def enforce_quotas(self) -> int:
+        """`enforce_quota` of every tenant past its quota (the storage loop's periodic check: chunks a store or
+        its write-through still held when they were indexed can go once they are let go)."""
+        return sum(self.enforce_quota(tenant) for tenant in self.tenants.limits() if self.tenants.over(tenant))
+
+    def held_count(self) -> int:
+        """Chunks someone holds beside the index (a pin, a load, a prefetch, a send): what cannot be evicted."""
+        with self._lock:
+            return sum(1 for obj in self._index.values() if obj.ref_count > 1)
+
+    def keys_page(self, offset: int, limit: int) -> tuple[int, list[str]]:
+        """(how many keys L1 indexes, `limit` of them from `offset` in index order): a listing for operators."""
+        with self._lock:
+            keys = list(self._index)
+        return len(keys), keys[offset:offset + limit]
 
     def remove_sync(self, key: str) -> bool:
         with self._lock:

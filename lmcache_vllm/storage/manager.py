@@ -19,6 +19,7 @@ exception to the caller:
   request's `get(keys, owner=handle.owner)`, which takes the holds over as the caller's references.
   Holds end when that `get` takes them, when the handle's `cancel()` is called (it also stops the
   reads), or after `prefetch_hold_secs`; every object read is either in L1, held, or released.
+- What an operator steers (`steering.py`): where chunks are, deletes, warm-ups into L1, per-tenant quotas.
 - `close()` drains queued writes for at most `close_drain_secs`, closes every backend, stops the loop
   and joins its thread and the backends' thread pools.
 
@@ -48,8 +49,8 @@ from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend,
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
 from lmcache_vllm.storage.prefetch import PrefetchHandle, PrefetchHolds
-from lmcache_vllm.storage.reads import LowerTierReads
 from lmcache_vllm.storage.registry import build_allocator, build_lower_tiers
+from lmcache_vllm.storage.steering import Steering
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.writes import WriteTracker
 
@@ -62,7 +63,7 @@ def _key_str(key: KeyLike) -> str:
     return key if isinstance(key, str) else key.to_str()
 
 
-class StorageManager(LowerTierReads):
+class StorageManager(Steering):
     def __init__(self, config: LMCacheConfig, *, allocator: Optional[HostAllocator] = None,
                  key_filter: Optional[Callable[[str], bool]] = None):
         extra = config.extra_config
@@ -93,6 +94,7 @@ class StorageManager(LowerTierReads):
         if self._write_tiers:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
+        self._quota_checks: Optional[asyncio.Task[None]] = None
         self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -141,13 +143,14 @@ class StorageManager(LowerTierReads):
     def _l1_prefix(self, keys: Sequence[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self.l1.contains_sync(k)), len(keys))
 
-    def put(self, key: KeyLike, obj: MemoryObj) -> None:
-        """Stores `obj` under `key`: L1 now, lower tiers through the bounded write queue."""
+    def put(self, key: KeyLike, obj: MemoryObj, tenant: str = "") -> None:
+        """Stores `obj` under `key`: L1 now (counted for `tenant`, a cache_salt), lower tiers through the bounded
+        write queue."""
         if self._closed:
             return
         k = _key_str(key)
         known = self.l1.keep_entries and self.l1.contains_sync(k)
-        self.l1.put_sync(k, obj)
+        self.l1.put_sync(k, obj, tenant)
         if not self._write_tiers or (known and not self._writes.failed(k)):
             return  # written through when it was first stored (or read from below); a failed write is retried
         with self._lock:
@@ -255,11 +258,13 @@ class StorageManager(LowerTierReads):
         return [hit or next(where) is not None for hit in found]
 
     def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
-            lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None) -> list[MemoryObj]:
+            lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None,
+            tenant: str = "") -> list[MemoryObj]:
         """The longest prefix of `keys` found in any tier; each object carries a ref for the caller.
         With `owner` (a prefetch's `handle.owner`) that prefetch's holds become the caller's refs.
         `lower_tiers=False`: memory only (a load after a prefetch never waits on a slow tier). `expected`:
-        the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`)."""
+        the shape and dtype of each key's chunk (reads of another are corrupt entries: `reads.py`); `tenant`:
+        whose chunks promoted into L1 count as (`tenants.py`)."""
         ks = [_key_str(k) for k in keys]
         out = self._take_held(ks, owner) if owner is not None else []
         for k in ks[len(out):]:
@@ -278,7 +283,7 @@ class StorageManager(LowerTierReads):
             return out
         handoff = Handoff()
         specs = dict(zip(ks, expected)) if expected is not None else None
-        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff, specs), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_into(ks[len(out):], handoff, specs, tenant), self._loop)
         lower = handoff.take(self.get_timeout)
         if lower is None:
             fut.cancel()
@@ -302,12 +307,12 @@ class StorageManager(LowerTierReads):
         return out
 
     def prefetch(self, keys: Sequence[KeyLike], peer: Optional[StorageBackend] = None,
-                 expected: Optional[Sequence[ChunkSpec]] = None) -> PrefetchHandle:
+                 expected: Optional[Sequence[ChunkSpec]] = None, tenant: str = "") -> PrefetchHandle:
         """Holds the L1 prefix of `keys` at once, then (on the loop) asks the lower tiers where the rest
         is (`handle.located()`), reads that into L1 and holds it too. Holds last until a `get` with
         `handle.owner` takes them, the handle is cancelled or `prefetch_hold_secs` pass. `peer`: a tier of
         this request only (a prefill instance's chunks, `transfer/client.py`), read before the lower tiers.
-        `expected`: as for `get`."""
+        `expected`, `tenant`: as for `get`."""
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
@@ -333,7 +338,7 @@ class StorageManager(LowerTierReads):
         metrics.inc("prefetches")
         handle = PrefetchHandle(None, n, release, owner, lower_pending=True)
         specs = dict(zip(ks, expected)) if expected is not None else None
-        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs),
+        handle.attach(asyncio.run_coroutine_threadsafe(self._prefetch(ks[n:], owner, handle, n, peer, specs, tenant),
                                                        self._loop))
         return handle
 

@@ -75,10 +75,12 @@ class LowerTierReads:
 
     async def _fetch(self, keys: Sequence[str], where: Optional[list[Optional[StorageBackend]]] = None,
                      tiers: Optional[Sequence[StorageBackend]] = None,
-                     expected: Optional[Mapping[str, ChunkSpec]] = None) -> list[MemoryObj]:
+                     expected: Optional[Mapping[str, ChunkSpec]] = None, tenant: str = "",
+                     keep_all: bool = False) -> list[MemoryObj]:
         """Reads the longest prefix of `keys` that `tiers` (default: the lower tiers) hold into L1 memory;
-        promotes (unless the tier says not to: P2P keeps a chunk where it was computed); refs for the caller.
-        `where` (from `_locate`) saves asking the tiers again; `expected`: see the module docstring."""
+        promotes (unless the tier says not to: P2P keeps a chunk where it was computed; `keep_all`: a warm-up
+        keeps every chunk) as `tenant`'s; refs for the caller. `where` (from `_locate`) saves asking the tiers
+        again; `expected`: see the module docstring."""
         tiers = list(self.lower if tiers is None else tiers)
         if where is None:
             where = await self._locate(keys, tiers)
@@ -120,17 +122,17 @@ class LowerTierReads:
             tier = located[i]
             metrics.inc("chunk_hits", tier=tier.name)
             metrics.inc("read_bytes", obj.nbytes, tier=tier.name)
-            if tier.promotes:
-                self.l1.put_sync(keys[i], obj)
+            if tier.promotes or keep_all:
+                self.l1.put_sync(keys[i], obj, tenant)
         for r, tier in enumerate(tiers):  # keys each tier was asked about and could not serve
             asked = sum(1 for i in range(len(keys)) if (held_by := where[i]) is None or rank[id(held_by)] > r)
             metrics.inc("chunk_misses", asked, tier=tier.name)
         return kept
 
     async def _fetch_into(self, keys: Sequence[str], handoff: Handoff,
-                          expected: Optional[Mapping[str, ChunkSpec]] = None) -> None:
+                          expected: Optional[Mapping[str, ChunkSpec]] = None, tenant: str = "") -> None:
         try:
-            objs: list[MemoryObj] = await self._fetch(keys, expected=expected)
+            objs: list[MemoryObj] = await self._fetch(keys, expected=expected, tenant=tenant)
         except asyncio.CancelledError:
             handoff.deliver([])
             raise
@@ -142,23 +144,24 @@ class LowerTierReads:
 
     async def _prefetch(self, keys: Sequence[str], owner: int, handle: PrefetchHandle,
                         ready: int, peer: Optional[StorageBackend] = None,
-                        expected: Optional[Mapping[str, ChunkSpec]] = None) -> int:
+                        expected: Optional[Mapping[str, ChunkSpec]] = None, tenant: str = "") -> int:
         """Phase two of a prefetch: asks the lower tiers (behind `peer`, when given) where `keys` are
         (bounded by the lookup timeout: no answer in time is no hit), tells the handle, then reads and holds
         that prefix. What `peer` does not serve is then looked for in the lower tiers. Tells the handle when
         it is over, however it ends (`handle.done()`)."""
         try:
             tiers = list(self.lower) if peer is None else [peer, *self.lower]
-            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready, expected)
+            got = await self._locate_and_fetch(keys, owner, tiers, handle, ready, expected, tenant)
             if peer is not None and got < len(keys) and self.lower:
-                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle, None, expected)
+                got += await self._locate_and_fetch(keys[got:], owner, list(self.lower), handle, None, expected,
+                                                    tenant)
             return got
         finally:
             handle.finished()
 
     async def _locate_and_fetch(self, keys: Sequence[str], owner: int, tiers: list[StorageBackend],
                                 handle: PrefetchHandle, ready: Optional[int] = None,
-                                expected: Optional[Mapping[str, ChunkSpec]] = None) -> int:
+                                expected: Optional[Mapping[str, ChunkSpec]] = None, tenant: str = "") -> int:
         """Locates `keys` in `tiers`, reads and holds their longest prefix; with `ready` (the first
         round of a prefetch) tells the handle where that prefix is."""
         try:
@@ -177,7 +180,7 @@ class LowerTierReads:
             handle.set_located(Located((Tier.LOCAL_CPU,) * ready + tuple(tier.name for tier in located)))
         if n == 0:
             return 0
-        objs = await self._fetch(keys[:n], where[:n], tiers, expected)
+        objs = await self._fetch(keys[:n], where[:n], tiers, expected, tenant)
         for key, obj in zip(keys, objs):  # no await since the fetch: a cancel cannot come between
             self._holds.hold(owner, key, obj)
         return len(objs)

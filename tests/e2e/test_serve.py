@@ -60,6 +60,7 @@ def server(tiny_model, tmp_path_factory, disk_dir, redis_server, events_endpoint
     extra = {"local_disk": str(disk_dir), "max_local_disk_size": 1.0, "remote_url": redis_server.url,
              "enable_kv_events": True,
              "extra_config": {"remote_key_prefix": "e2e-serve:", "remote_timeout_secs": 0.5,
+                              "max_pinned_fraction": 0.25,  # pins are off unless configured
                               # vLLM computes on core 0 (an explicit binding): our threads on the others
                               "background_cpus": ",".join(map(str, FREE_CPUS)) or "inherit"}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}

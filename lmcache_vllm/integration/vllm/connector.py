@@ -43,6 +43,7 @@ from lmcache_vllm.config.peers import ip_literal
 from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
+from lmcache_vllm.integration.vllm.control import Management, management_enabled, start_management
 from lmcache_vllm.integration.vllm.events import (
     LMCacheWorkerReport,
     SchedulerEvents,
@@ -187,6 +188,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         instance_id = str(transfer.engine_id)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._management: Management | None = None
         kv_events.RECORDER.enabled = self.config.enable_kv_events
         # Checked in both roles: a chunk size routers cannot count in vLLM's blocks fails at start.
         self._blocks = VllmBlocks(block_size, self.config.resolved_chunk_size) if self.config.enable_kv_events else None
@@ -214,6 +216,11 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                             can_load=self.can_load, can_save=self.can_save, pd=pd,
                                             groups=SchedulerGroups(plan.groups, self.config.resolved_chunk_size)
                                             if plan.multi else None)
+            if management_enabled(self.config):  # docs/MANAGEMENT.md: served here, for every rank
+                model = vllm_config.model_config
+                self._management = start_management(
+                    self.config, lookup_addresses=sizes.lookup_addresses(instance_id), instance_id=instance_id,
+                    world_size=world_size, model_names=[str(model.served_model_name or model.model), model.model])
         else:
             layout = worker_layout(vllm_config)
             metrics.set_primary(layout.tp_rank == 0 and layout.pp_rank == 0)  # per-engine counts from one rank
@@ -246,7 +253,8 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 max_lookup_tokens=vllm_config.model_config.max_model_len,
                 failure_agreement=TPFailureAgreement(layout.tp_size),
                 peer_factory=peer_transfer if pd_on else None,
-                identity=InstanceIdentity(instance_id, layout.tp_rank, layout.tp_size))
+                identity=InstanceIdentity(instance_id, layout.tp_rank, layout.tp_size),
+                management=management_enabled(config))
         self._kv_role, self._world_size = kv_role, world_size
         logger.debug("LMCacheConnector (%s, role %s): chunk_size=%d block_size=%d tp=%d", role.name,
                     kv_role, self.config.resolved_chunk_size, block_size, world_size)
@@ -373,6 +381,9 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return LMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._management is not None:
+            self._management.close()
+            self._management = None
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

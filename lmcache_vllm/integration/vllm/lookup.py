@@ -105,6 +105,33 @@ def private_socket_dir(path: str) -> str:
     return path
 
 
+def bind_private_router(address: str, max_message: int) -> tuple["zmq.Socket[bytes]", str | None]:
+    """A ROUTER socket bound to `address` (an ipc:// one inside this user's private directory, mode 0600, a stale
+    file of a dead process replaced) that drops messages over `max_message` bytes; and its file's path."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+    path = address[len("ipc://"):] if address.startswith("ipc://") else None
+    if path:
+        private_socket_dir(os.path.dirname(path))
+        if os.path.lexists(path):
+            os.unlink(path)  # a stale socket file from a process that died
+    sock.bind(address)
+    if path:
+        os.chmod(path, 0o600)
+    return sock, path
+
+
+def close_private_router(sock: "zmq.Socket[bytes]", path: str | None) -> None:
+    sock.close(linger=0)
+    if path and os.path.exists(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
@@ -181,19 +208,9 @@ class LookupServer:
         self._lookup_fn = lookup_fn
         self.max_tokens = int(max_tokens)
         self._commands = dict(commands or {})
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
         # A peer sending a larger message is disconnected by ZMQ before it is buffered.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max(self.max_tokens * 8, MAX_EXTRA_BYTES) + _MAX_REQ_ID + 64)
-        self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
-        if self._path:
-            private_socket_dir(os.path.dirname(self._path))
-            if os.path.lexists(self._path):
-                os.unlink(self._path)  # a stale socket file from a process that died
-        self._socket.bind(address)
-        if self._path:
-            os.chmod(self._path, 0o600)
+        self._socket, self._path = bind_private_router(
+            address, max(self.max_tokens * 8, MAX_EXTRA_BYTES) + _MAX_REQ_ID + 64)
         with _local_lock:
             _local_servers[address] = self
         self._stop = threading.Event()
@@ -290,12 +307,7 @@ class LookupServer:
                 del _local_servers[self.address]
         self._stop.set()
         self._thread.join(timeout=5)
-        self._socket.close(linger=0)
-        if self._path and os.path.exists(self._path):
-            try:
-                os.unlink(self._path)
-            except OSError:
-                pass
+        close_private_router(self._socket, self._path)
 
 
 class LookupClient:

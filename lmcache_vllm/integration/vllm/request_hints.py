@@ -7,8 +7,10 @@ kv_transfer_params as that request's configuration); we follow two of them:
   For one-off prompts that would only push reusable chunks out of L1.
 - `"lmcache.pin_tokens": N`: keep the whole chunks of the prompt's first N tokens (N larger than the prompt: all
   of its whole chunks) in L1, e.g. a long system prompt. Once the request's saves of that prefix are over, the
-  workers take a reference on its L1 chunks (`storage/pins.py`); all pins together keep at most
-  `extra_config.max_pinned_fraction` of L1, the oldest let go first.
+  workers pin its L1 chunks in the instance's pin ledger (`storage/pins.py`), owned by the request's
+  `cache_salt`: within that salt's budget (`extra_config.max_pinned_fraction_per_salt`) and everyone's
+  (`max_pinned_fraction`, 0 by default: pins off), for `pin_ttl_secs` after the last request that pinned it. A
+  pin past a budget is refused (counted), never made by letting another tenant's pin go.
 
 kv_transfer_params come from any client of vLLM's API, so every hint is checked like any input: a value of the
 wrong type or out of range, a `lmcache.` key we do not follow (LMCache's others, e.g. `lmcache.tag.*`), or params
@@ -28,10 +30,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.extra_keys import tenant_of
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, PinSpec
 from lmcache_vllm.integration.vllm.request_tracker import RequestTracker, floor_to
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage.pins import PinnedPrefixes
+from lmcache_vllm.storage.pins import PinLedger, PinRefused
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -45,6 +48,7 @@ PREFIX = "lmcache."
 SKIP_SAVE = "lmcache.skip_save"
 PIN_TOKENS = "lmcache.pin_tokens"
 MAX_PIN_TOKENS = 1 << 31  # more than any model's context: larger values are garbage
+HINT_PIN = "hint:"  # a hint's pin name (its prefix's last key follows): apart from the management API's pins
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,12 @@ class SchedulerHints:
 
 
 class WorkerPins:
-    """A worker's pinned prefixes: `pin` registers them, filled when each request's saves are over."""
+    """A worker's pins from request hints: `pin` registers them, made in the instance's `PinLedger` when each
+    request's saves are over."""
 
-    def __init__(self, engine: "CacheEngine", budget_bytes: int):
+    def __init__(self, engine: "CacheEngine", ledger: PinLedger):
         self.engine = engine
-        self.pins = PinnedPrefixes(budget_bytes)
+        self.ledger = ledger
 
     def pin(self, specs: Iterable[PinSpec], saves: "SaveQueue", failed: set[str]) -> None:
         for spec in specs:
@@ -148,14 +153,12 @@ class WorkerPins:
     def _fill(self, spec: PinSpec) -> None:
         try:
             keys, objs = self.engine.hold_prefix(spec.token_ids, spec.extra)
+            if not objs:
+                return  # nothing of the prefix in L1 (a full arena dropped its stores): nothing to pin
             # The prefix's last key names it (the same prefix again renews it); what L1 lacks is not pinned.
-            self.pins.add(keys[-1] if keys else "", objs)
+            self.ledger.pin(tenant_of(spec.extra), HINT_PIN + keys[-1], keys, objs, counted=False)
+        except PinRefused as exc:
+            logs.warn(logger, f"pin_refused_{exc.reason}", "request %s: its prefix is not pinned: %s",
+                      spec.req_id, exc)
         except Exception:  # never a dead save thread: the prefix is just not pinned
             logs.warn(logger, "pin_failed", "request %s: pinning its prefix failed", spec.req_id, exc_info=True)
-
-    def clear(self) -> None:
-        """Lets every pin go (a cache reset empties L1)."""
-        self.pins.clear()
-
-    def close(self) -> None:
-        self.pins.close()

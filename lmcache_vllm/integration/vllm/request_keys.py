@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from lmcache_vllm.extra_keys import NO_EXTRA_KEYS, ExtraKeys, ExtraSpan
+from lmcache_vllm.extra_keys import LORA_TAG, NO_EXTRA_KEYS, SALT_TAG, ExtraKeys, ExtraSpan
+from lmcache_vllm.extra_keys import prefix_item as _item
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
-_U32 = struct.Struct("<I")
 _LORA_FILE_PREFIXES = ("adapter_config.json", "adapter_model.", "new_embeddings.")
 
 
@@ -47,10 +47,6 @@ class UncacheableRequest(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
-
-
-def _item(tag: bytes, value: bytes) -> bytes:
-    return tag + _U32.pack(len(value)) + value
 
 
 def _tensor_bytes(tensor) -> memoryview:
@@ -131,10 +127,10 @@ class RequestKeys:
             return NO_EXTRA_KEYS
         prefix = b""
         if lora:
-            prefix += _item(b"lora", _item(b"n", lora.lora_name.encode()) +
+            prefix += _item(LORA_TAG, _item(b"n", lora.lora_name.encode()) +
                             _item(b"d", self.lora_digests.digest(lora.lora_path)))
         if salt:
-            prefix += _item(b"salt", str(salt).encode())
+            prefix += _item(SALT_TAG, str(salt).encode())
         spans = [self._mm_span(feature) for feature in mm_features or ()]
         if embeds is not None:
             spans.extend(self._embeds_spans(request, embeds))

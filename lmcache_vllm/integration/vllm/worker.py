@@ -17,8 +17,8 @@ finds what that one stored. A model with several KV cache groups (`grouped_engin
 saves whole steps only (no layerwise copies), and when vLLM frees blocks of running requests (sliding
 window, states) the saves handed out in a step end before the next step writes any block. `pause` /
 `resume` (vLLM 0.33's unregister / restore of the KV cache) stop every copy while vLLM has released the
-cache. Every failure is logged and turned into a miss; none
-propagates into vLLM's step.
+cache. With the management API on, each rank answers its calls on a control socket (`control.py`). Every
+failure is logged and turned into a miss; none propagates into vLLM's step.
 """
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.integration.vllm.control import ControlServer, control_address
 from lmcache_vllm.integration.vllm.load_pipeline import FailureAgreement, LoadPipeline
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery, LookupServer
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.request_hints import WorkerPins
 from lmcache_vllm.integration.vllm.save_pipeline import SavePipeline
+from lmcache_vllm.storage.pins import PinLedger
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine
@@ -63,7 +65,7 @@ class WorkerHalf:
                  block_size: int, lookup_address: str | None, max_lookup_tokens: int = 1 << 20,
                  failure_agreement: FailureAgreement | None = None, durable_saves: bool = False,
                  peer_factory: Callable[[CacheEngine], PeerTransfer] | None = None,
-                 identity: InstanceIdentity | None = None):
+                 identity: InstanceIdentity | None = None, management: bool = False):
         self.config = config
         self.identity = identity
         self._engine_factory = engine_factory
@@ -75,6 +77,7 @@ class WorkerHalf:
         self._peer_factory = peer_factory
         self.pd: PeerTransfer | None = None
         self.pins: WorkerPins | None = None  # prefixes requests asked to keep in L1 (request_hints.py)
+        self.pin_ledger: PinLedger | None = None  # every pin of this rank: hints' and the management API's
         self.engine: CacheEngine | GroupedEngine | None = None
         self.load: LoadPipeline | None = None
         self.save: SavePipeline | None = None
@@ -83,6 +86,8 @@ class WorkerHalf:
         self.layer_index: dict[str, int] = {}
         self._paused = False
         self._drain_every_step = False  # vLLM frees blocks of running requests (see the module docstring)
+        self.management = management  # serve the management API's calls (integration/vllm/control.py)
+        self.control: ControlServer | None = None
 
     # ------------------------------------------------------------------ setup / teardown
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -108,8 +113,8 @@ class WorkerHalf:
                                "KV cache groups (%s): such requests are computed by the decode instance", engine)
         else:
             self.pd = self._peer_factory(engine) if self._peer_factory is not None else None
-            pin_budget = int(config.extra_config.max_pinned_fraction * config.max_local_cpu_bytes)
-            self.pins = WorkerPins(engine, pin_budget) if config.local_cpu and pin_budget > 0 else None
+            self.pin_ledger = PinLedger.from_config(config)
+            self.pins = WorkerPins(engine, self.pin_ledger) if self.pin_ledger.enabled else None
         self.load = LoadPipeline(engine, self.kv_caches, self.layer_index, block_size=self.block_size,
                                  use_layerwise=layerwise, timeout_s=config.blocking_timeout_secs,
                                  failure_agreement=self._failure_agreement,
@@ -124,6 +129,11 @@ class WorkerHalf:
                 "reset_l1": lambda: self._reset(lower_tiers=False),
                 "reset_all": lambda: self._reset(lower_tiers=True),
                 "pd_port": lambda: self.pd.port if self.pd is not None else -1})
+        if self.management and self.lookup_address is not None and not isinstance(engine, GroupedEngine):
+            from lmcache_vllm.management.ops import RankOps
+
+            ops = RankOps(engine, self.pin_ledger, drain=self.drain_saves)
+            self.control = ControlServer(control_address(self.lookup_address), ops.handle)
         logger.debug("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                      engine.layout, self.lookup_address)
 
@@ -138,8 +148,8 @@ class WorkerHalf:
         """vLLM's reset of the prefix cache (sent by the scheduler): saves handed out so far land first,
         then L1 (and with `lower_tiers` L2/L3) is emptied. 1 when done."""
         self.drain_saves()
-        if self.pins is not None:
-            self.pins.clear()  # a reset empties L1: pinned prefixes too
+        if self.pin_ledger is not None:
+            self.pin_ledger.clear()  # a reset empties L1: pinned prefixes too
         if self.engine is None:
             return 1
         ok = self.engine.clear(lower_tiers=lower_tiers)
@@ -164,6 +174,9 @@ class WorkerHalf:
         self._paused = False
 
     def shutdown(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         if self.save is not None:
             self.save.close()
         if self.load is not None:
@@ -174,9 +187,10 @@ class WorkerHalf:
         if self.pd is not None:
             self.pd.close()
             self.pd = None
-        if self.pins is not None:
-            self.pins.close()
-            self.pins = None
+        self.pins = None
+        if self.pin_ledger is not None:
+            self.pin_ledger.close()
+            self.pin_ledger = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -226,6 +240,8 @@ class WorkerHalf:
             self.pd.hold(meta.peer_holds, self.save.queue, self.load.failed)
         if self.pins is not None and meta.pins:
             self.pins.pin(meta.pins, self.save.queue, self.load.failed)
+        if self.pin_ledger is not None and self.pin_ledger.due():
+            self.pin_ledger.expire()
 
     def get_finished(self, meta: LMCacheConnectorMetadata | None,
                      finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
