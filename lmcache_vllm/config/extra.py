@@ -73,6 +73,11 @@ class ExtraConfig:
                                            "'inherit' = where vLLM put the process; or a CPU list such as '2,4-7' "
                                            "(with an explicit binding: cores no vLLM instance computes on)",
                                    check=_cpu_choice)
+    overlap_loads: str = setting("auto", "copy a step's loads from L1 layer by layer on a thread of ours while vLLM's "
+                                         "forward computes the layers before (the forward waits only for a layer "
+                                         "not copied yet): 'auto' = on the CPU backend when background_cpus are "
+                                         "CPUs the model does not compute on; 'on'; 'off' = before the forward",
+                                 choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))
     prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "
