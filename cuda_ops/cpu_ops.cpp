@@ -94,12 +94,13 @@ Isa current_isa() {
   return static_cast<Isa>(isa);
 }
 
-// How the AVX-512 vec and amx kernels split a call into tasks (`tasks()`, `set_tasks()`, env
-// LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape first
-// tuned on Intel Xeon (1.08-1.24 of a plain copy there); plane = (layer, run) head by head with the next head's
-// source prefetched into L2, which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the same
-// prefetch: ~0.75; the K^T tiles are latency-bound there). Which is faster depends on the CPU's prefetchers and
-// was never measured on every kind, so auto measures: the first call that runs these kernels times both shapes on
+// How the AVX-512 vec and amx kernels and the AVX2 vec kernels split a call into tasks (`tasks()`, `set_tasks()`,
+// env LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape first
+// tuned on Intel Xeon (1.08-1.24 of a plain copy there; AVX2: the gather per (layer, run, head) through a staged
+// head, tuned on AMD Zen 3); plane = (layer, run) head by head with the next head's source prefetched into L2,
+// which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the same prefetch: ~0.75; the K^T tiles are
+// latency-bound there; AVX2: the gather in whole-line tiles, `gather_vec_lines_avx2`). Which is faster depends on
+// the CPU's prefetchers and was never measured on every kind, so auto measures: the first call that runs these kernels times both shapes on
 // scratch buffers of its own geometry (`measure_tasks`, once per process) and keeps the faster (`tasks_note()`
 // says what was measured).
 enum Tasks : int { kStripTasks = 0, kPlaneTasks = 1, kAutoTasks = 2 };
@@ -550,6 +551,23 @@ LMCACHE_AVX2 void move_vec_avx2(const Geometry& g, T* cache, const Segment& run,
     k2::scatter_v<T, kStream>(v.rows, W, v.region + o0 * D, 2 * bs * D, h1 - h0, D, o1 - o0);
   }
 }
+
+// AVX2, vec, plane tasks, the gather: heads [h0, h1) of a whole run, head by head, K^T in whole lines on both
+// sides (`gather_kt_lines`) with the next head's K^T lines prefetched into L2, V row by row. On AMD Zen 4 made to run
+// the AVX2 kernels (LMCACHE_VLLM_CPU_ISA=avx2, torch's copy with ATEN_CPU_CAPABILITY=avx2; a shared machine, load
+// ~3) the gather went from 0.53-0.62 (strip: the staged heads, tuned on Zen 3) to 0.76-0.92 of a plain copy, heads
+// of 128 and 64; not run on a real AVX2-only CPU. Which is faster is measured at first use (`measure_tasks`).
+template <typename T, bool kStream>
+LMCACHE_AVX2 void gather_vec_lines_avx2(const Geometry& g, T* cache, const Segment& run, int64_t h0, int64_t h1,
+                                        T* rows, int64_t plane_stride) {
+  namespace k2 = lmcache_avx2;
+  const int64_t o0 = run.first, o1 = run.first + run.len;
+  for (int64_t h = h0; h < h1; ++h) {
+    const auto [k, v] = head_planes(g, cache, run, h, rows, plane_stride);
+    k2::gather_kt_lines<T, kStream>(k.region, g.bs, g.dim, o0, o1, k.rows, g.width, h + 1 < h1 ? 2 * g.bs * g.dim : 0);
+    k2::gather_v<T, kStream>(v.region + o0 * g.dim, g.dim, v.rows, g.width, o1 - o0);
+  }
+}
 #endif
 
 #if defined(LMCACHE_HAVE_AVX512)
@@ -642,13 +660,18 @@ LMCACHE_AVX512 void move_amx_planes_avx512(const Geometry& g, T* cache, const Se
 }
 #endif
 
-// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: AVX-512 plane tasks
-// (move_vec_planes_avx512, move_amx_planes_avx512).
+// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: plane tasks (move_vec_planes_avx512,
+// move_amx_planes_avx512; AVX2: gather_vec_lines_avx2).
 template <typename T, bool kGather>
 void move_run_heads(Isa isa, bool stream, bool planes, int64_t layout, const Geometry& g, T* cache,
                     const Segment& run, int64_t h0, int64_t h1, T* rows, int64_t plane_stride) {
 #if defined(LMCACHE_HAVE_AVX2)
   if (isa == kAvx2 && avx2_takes<T>(layout, g)) {
+    if (kGather && planes && lmcache_avx2::lines_fit<T>(g.bs, g.dim)) {
+      if (stream) gather_vec_lines_avx2<T, true>(g, cache, run, h0, h1, rows, plane_stride);
+      else gather_vec_lines_avx2<T, false>(g, cache, run, h0, h1, rows, plane_stride);
+      return;
+    }
     if (stream) move_vec_avx2<T, kGather, true>(g, cache, run, h0, h1, rows, plane_stride);
     else move_vec_avx2<T, kGather, false>(g, cache, run, h0, h1, rows, plane_stride);
     return;
@@ -739,11 +762,12 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // contiguous stretch per plane) are read or written front to back while the cache side is whole lines.
   // The AVX2 gather instead takes (layer, run, head): it reads the head's K^T front to back and writes each
   // chunk row's head segment at once (measured faster than strips on Zen 3).
-  // AVX-512 with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
-  // prefetched while the previous head moves. The runs of every chunk of the call are tasks of one pool.
-  const bool per_head = avx2 && kGather && heads > 1;
-  const bool planes = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g))) &&
-                      tasks == kPlaneTasks;
+  // Plane tasks (current_tasks()): a task is a whole run; AVX-512 moves it head by head, each head's source
+  // prefetched while the previous head moves; AVX2 gathers it so (whole-line K^T tiles) and scatters it with the
+  // strip kernels. The runs of every chunk of the call are tasks of one pool.
+  const bool planes = ((isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)))) ||
+                       avx2) && tasks == kPlaneTasks;
+  const bool per_head = avx2 && kGather && heads > 1 && !planes;
   const int64_t min_run = isa == kAvx512 && avx512_tiles<T>(layout, g) ? kMinTileRun : kMinRun;
   std::vector<Piece<T>> pieces;
   std::vector<TokenRow<T>> tokens;
@@ -801,7 +825,8 @@ Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call);
 template <typename T>
 Tasks resolve_tasks(Isa isa, int64_t layout, const Geometry& g) {
   const Tasks tasks = current_tasks();
-  const bool shaped = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)));
+  const bool shaped = (isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)))) ||
+                      (isa == kAvx2 && avx2_takes<T>(layout, g));
   if (tasks != kAutoTasks || !shaped) return tasks == kAutoTasks ? kStripTasks : tasks;
   return measure_tasks<T>(isa, layout, g);
 }
@@ -838,7 +863,8 @@ Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call) {
       best[shape] = std::min(best[shape], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   const Tasks chosen = best[kPlaneTasks] < best[kStripTasks] ? kPlaneTasks : kStripTasks;
-  g_tasks_note = std::string("measured on ") + (layout == kVec ? "vec" : "amx") + " blocks of " +
+  g_tasks_note = std::string("measured with the ") + kIsaNames[isa] + " kernels on " + (layout == kVec ? "vec" : "amx") +
+                 " blocks of " +
                  std::to_string(g.heads) + " heads x " + std::to_string(g.dim) + ", " +
                  std::to_string(g.blocks * block_bytes * kLayers >> 20) + " MiB: strip " +
                  std::to_string(best[kStripTasks] * 1e3) + " ms, plane " + std::to_string(best[kPlaneTasks] * 1e3) +

@@ -157,9 +157,10 @@ def _isas() -> list[str]:
 
 
 def _kernel_sets() -> list[str]:
-    """Every kernel set, AVX-512 once per task shape (`isa/tasks`): an AMD machine then also checks the Intel
-    shape and the other way round."""
-    return [f"{isa}/{tasks}" for isa in _isas() for tasks in (("strip", "plane") if isa == "avx512" else ("",))]
+    """Every kernel set, AVX-512 and AVX2 once per task shape (`isa/tasks`): an AMD machine then also checks the
+    Intel shape and the other way round, and an AVX-512 machine both AVX2 gathers (staged heads, whole-line tiles)."""
+    return [f"{isa}/{tasks}" for isa in _isas()
+            for tasks in (("strip", "plane") if isa in ("avx512", "avx2") else ("",))]
 
 
 def _use(kernel_set: str) -> None:
@@ -298,21 +299,22 @@ def test_kernel_choices_switch_and_refuse_unknown_names(restore_isa):
 
 
 @needs_cpu_ext
-@pytest.mark.parametrize("kind", ["vec", "amx"])
-def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, kind):
-    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels, on
-    scratch buffers of that call's geometry, and keeps the faster for the process: no table of CPU kinds. The
-    connector makes that first call when it binds the layout at start-up (`bind_kernel`), not in a request."""
-    if "avx512" not in _isas():
-        pytest.skip("the task shapes are those of the AVX-512 kernels")
-    assert cpu_ext.set_isa("avx512") == "" and cpu_ext.set_tasks("auto") == ""
+@pytest.mark.parametrize("isa,kind", [("avx512", "vec"), ("avx512", "amx"), ("avx2", "vec")])
+def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, isa, kind):
+    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels or
+    the AVX2 vec kernels (CPUs without AVX-512: AMD Zen 2/3), on scratch buffers of that call's geometry, and keeps
+    the faster for the process: no table of CPU kinds. The connector makes that first call when it binds the
+    layout at start-up (`bind_kernel`), not in a request."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    assert cpu_ext.set_isa(isa) == "" and cpu_ext.set_tasks("auto") == ""
     gen = torch.Generator().manual_seed(3)
     caches = cpu_caches(kind, 2, 4, 2, 64, 32, torch.bfloat16, gen)
     layout = detect_layout(caches, **hint(kind))
     layout.bind_kernel(caches)
     chosen, note = cpu_ext.tasks(), cpu_ext.tasks_note()
     assert chosen in ("strip", "plane"), chosen
-    assert "strip" in note and "plane" in note and " ms" in note, note
+    assert "strip" in note and "plane" in note and " ms" in note and f"the {isa} kernels" in note, note
     times = dict(part.split()[:2] for part in note.split(": ", 1)[1].split(", ")[:2])  # {"strip": "1.2", ...}
     assert float(times[chosen]) <= float(times["plane" if chosen == "strip" else "strip"])
     slots = torch.arange(5, 60)  # later calls keep that choice and give the torch path's bits
