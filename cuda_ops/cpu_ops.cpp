@@ -1072,6 +1072,42 @@ std::string scatter_chunks(const std::vector<torch::Tensor>& chunks, const std::
   return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunks, layout, block_size); });
 }
 
+// Layers [first, first + count) of a call with every layer's caches and whole chunks [layers, ...]: a layerwise
+// load or save makes one such call per layer without building per-layer views in Python (where each view is a
+// trip through the GIL, which vLLM's forward, running beside a load, waits for).
+template <bool kGather>
+std::string dispatch_layers(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                            const std::vector<torch::Tensor>& chunks, int64_t layout, int64_t block_size,
+                            int64_t first, int64_t count) {
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  if (first < 0 || count < 1 || first > layers - count)
+    return msg("layers [", first, ", ", first + count, ") out of range [0, ", layers, ")");
+  std::vector<torch::Tensor> part_caches(caches.begin() + first, caches.begin() + first + count), part_chunks;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const torch::Tensor& c = chunks[i];
+    if (!c.defined() || c.dim() != 4 || c.size(0) != layers)
+      return msg("chunk ", i, " must be [", layers, ", planes, T, width]");
+    part_chunks.push_back(c.narrow(0, first, count));  // the leading dim: still contiguous
+  }
+  return dispatch<kGather>(part_caches, slots, part_chunks, layout, block_size);
+}
+
+std::string gather_layers(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                          const std::vector<torch::Tensor>& outs, int64_t layout, int64_t block_size, int64_t first,
+                          int64_t count) {
+  return lmc_errors::no_throw("_cpu_ops", [&] {
+    return dispatch_layers<true>(caches, slots, outs, layout, block_size, first, count);
+  });
+}
+
+std::string scatter_layers(const std::vector<torch::Tensor>& chunks, const std::vector<torch::Tensor>& caches,
+                           const torch::Tensor& slots, int64_t layout, int64_t block_size, int64_t first,
+                           int64_t count) {
+  return lmc_errors::no_throw("_cpu_ops", [&] {
+    return dispatch_layers<false>(caches, slots, chunks, layout, block_size, first, count);
+  });
+}
+
 // Raises a c10::Error on purpose: run in a child process, it tells whether C++ exceptions from this extension
 // reach Python on this toolchain (tests/test_ops.py, scripts/check_cuda.sh).
 void throw_for_diagnosis() { TORCH_CHECK(false, "_cpu_ops: diagnostic exception"); }
@@ -1092,6 +1128,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_chunks", &scatter_chunks, "chunks [L, planes, T_i, width] -> paged caches, chunk i holding the "
         "next T_i slots; returns '' or an error message", py::arg("chunks"), py::arg("caches"), py::arg("slots"),
         py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("gather_layers", &gather_layers, "layers [first, first + count) of gather_chunks, from every layer's caches "
+        "into whole chunks; returns '' or an error message", py::arg("caches"), py::arg("slots"), py::arg("outs"),
+        py::arg("layout"), py::arg("block_size"), py::arg("first"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_layers", &scatter_layers, "layers [first, first + count) of scatter_chunks, from whole chunks into "
+        "every layer's caches; returns '' or an error message", py::arg("chunks"), py::arg("caches"),
+        py::arg("slots"), py::arg("layout"), py::arg("block_size"), py::arg("first"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kIsaNames[current_isa()]); },
         "kernel set in use: avx512, avx2, sse2 or scalar");
   m.def("set_isa", &set_isa_checked, "use kernel set auto|avx512|avx2|sse2|scalar (tests and benchmarks); returns '' "

@@ -42,17 +42,23 @@ def _slots(blocks):
 
 
 def _recording_scatter(engine, gate=None):
-    """Records (layer, thread name) of every layer copy; `gate(layer)` runs before the copy."""
+    """Records (layer, thread name) of every layer copy of a load; `gate(layer)` runs before the copy."""
     calls = []
-    real = engine.layout.scatter_layer_chunks
+    real = engine.layout.layer_copier
 
-    def scatter(chunks, layer, *args):
-        if gate is not None:
-            gate(layer)
-        calls.append((layer, threading.current_thread().name))
-        return real(chunks, layer, *args)
+    def layer_copier(gather, *args):
+        copy = real(gather, *args)
+        if gather:
+            return copy
 
-    engine.layout.scatter_layer_chunks = scatter
+        def scatter(layer):
+            if gate is not None:
+                gate(layer)
+            calls.append((layer, threading.current_thread().name))
+            copy(layer)
+        return scatter
+
+    engine.layout.layer_copier = layer_copier
     return calls
 
 
@@ -123,6 +129,11 @@ def test_a_layer_copy_failing_on_the_load_thread_is_a_failed_load():
         meta = _load_meta(tokens, blocks, save_tokens=tokens + new)
         worker.begin_step()
         worker.start_load_kv(meta)
+        thread = worker.load._thread
+        for _ in range(500):  # the thread failed and ended before the forward asked for any layer
+            if not thread.running:
+                break
+            threading.Event().wait(0.01)
         for name in worker.layer_index:
             worker.wait_for_layer_load(name)
         worker.wait_for_save(meta)

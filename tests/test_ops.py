@@ -270,11 +270,22 @@ def test_several_chunks_in_one_call_match_one_call_per_chunk(restore_isa, isa, k
     assert torch.equal(raw_bytes(into_many[0]), raw_bytes(into_each[0]))
     for a, b in zip(into_many, into_each):
         assert torch.equal(bits(a), bits(b))
-    # Layer by layer (use_layerwise) into fresh chunks: the same bits as the whole call.
+    # Layer by layer (use_layerwise) into fresh chunks: the same bits as the whole call; so does a layerwise
+    # load or save's copier (one call of the compiled op per layer, no per-layer views), both directions.
     by_layer = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
     for layer, cache in enumerate(caches):
         layout.gather_layer_chunks(layer, cache, slots, [c[layer] for c in by_layer])
-    for a, b in zip(by_layer, many):
+    by_copier = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
+    gather_layer = layout.layer_copier(True, caches, slots, by_copier)
+    for layer in range(len(caches)):
+        gather_layer(layer)
+    for a, b, c in zip(by_layer, by_copier, many):
+        assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c))
+    into_layers = random_like(into_each, None)
+    scatter_layer = layout.layer_copier(False, into_layers, slots, sources)
+    for layer in range(len(caches)):
+        scatter_layer(layer)
+    for a, b in zip(into_layers, into_each):
         assert torch.equal(bits(a), bits(b))
 
 
@@ -412,6 +423,14 @@ cases = [
     ("chunk 1 dtype", lambda: ext.gather_chunks(packed, torch.arange(6), [out, out.float()], 0, 16)),
     ("chunk 1 must be", lambda: ext.scatter_chunks([out, out.transpose(2, 3)], packed, torch.arange(6), 0, 16)),
     ("beyond", lambda: ext.scatter_chunks([out, out], packed, torch.tensor([0, 1, 2, 3, 4, 64]), 0, 16)),
+    # one layer of a call with every layer's caches and whole chunks (layerwise loads and saves)
+    ("out of range", lambda: ext.scatter_layers([out], packed, ok, 0, 16, 1, 1)),
+    ("out of range", lambda: ext.gather_layers(packed, ok, [out], 0, 16, -1, 1)),
+    ("out of range", lambda: ext.gather_layers(packed, ok, [out], 0, 16, 0, 0)),
+    ("out of range", lambda: ext.scatter_layers([out], packed, ok, 0, 16, 2 ** 62, 2 ** 62)),
+    ("chunk 0 must be", lambda: ext.scatter_layers([torch.empty(2, 2, 3, 128, dtype=bf)], packed, ok, 0, 16, 0, 1)),
+    ("chunk 0 must be", lambda: ext.gather_layers(packed, ok, [torch.empty(2, 3, 128, dtype=bf)], 0, 16, 0, 1)),
+    ("beyond", lambda: ext.scatter_layers([out], packed, torch.tensor([0, 1, 64]), 0, 16, 0, 1)),
 ]
 for expected, call in cases:
     error = call()

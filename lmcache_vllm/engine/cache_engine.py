@@ -311,10 +311,11 @@ class CacheEngine:
             chunks.append(chunk)
             objs.append(obj)
         try:
-            slots = self._slots_of(slot_mapping, chunks) if chunks else slot_mapping[:0]
+            copy = self.layout.layer_copier(True, kv_caches, self._slots_of(slot_mapping, chunks),
+                                            [obj.tensor for obj in objs]) if chunks else None
             for layer in range(self.layout.num_layers):
-                if chunks:
-                    self.layout.gather_layer_chunks(layer, kv_caches[layer], slots, [obj.tensor[layer] for obj in objs])
+                if copy is not None:
+                    copy(layer)
                 yield layer
             Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
             stored = 0
@@ -343,11 +344,12 @@ class CacheEngine:
                 loaded[start:end] = mask[start:end]
                 slots = self._masked_slots(slot_mapping, mask, start, end)
             self._count("loaded", int(loaded.sum()))
+            copy = self.layout.layer_copier(False, kv_caches, slots, [obj.tensor for obj in plan.objs]) \
+                if plan.objs else None
             yield loaded
             for layer in range(self.layout.num_layers):
-                if plan.objs:
-                    self.layout.scatter_layer_chunks([obj.tensor[layer] for obj in plan.objs], layer,
-                                                     kv_caches[layer], slots)
+                if copy is not None:
+                    copy(layer)
                 yield layer
         finally:
             self._release_after(kv_caches, plan.objs)

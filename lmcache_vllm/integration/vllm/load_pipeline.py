@@ -222,7 +222,7 @@ class LoadPipeline:
             self._copy_to(target)
 
     def _copy_to(self, target: int) -> None:
-        if self._thread is not None and self._thread.running:
+        if self._thread is not None:  # finished or not, it may hold failures not reported yet
             for tag, exc, layer in self._thread.wait(target):
                 self._layer_failed(tag, exc, layer)
             return
