@@ -89,7 +89,7 @@ def test_each_layer_is_copied_on_the_load_thread_before_the_forward_reads_it():
         assert all(name.startswith("lmcache-load") for _, name in calls)
         assert worker.take_load_errors() == set()
         assert torch.equal(kv_of(engine, caches, _slots(blocks)), kv_of(engine, caches, torch.arange(2 * CHUNK)))
-        assert metrics.value("load_wait_seconds") > 0
+        assert metrics.value("load_wait_seconds") > 0 and metrics.value("overlapped_loads") == 1
     finally:
         layer1.set()
         worker.shutdown()

@@ -82,6 +82,8 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("overlapped_loads", "counter", (),
+     "Loads copied layer by layer on the load thread while vLLM's forward ran (extra_config.overlap_loads)"),
     ("load_wait_seconds", "counter", (),
      "Time vLLM's forward waited for layers the load thread had not copied yet (extra_config.overlap_loads)"),
     ("load_thread_timeouts", "counter", (),

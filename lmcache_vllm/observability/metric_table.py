@@ -94,6 +94,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _c("overlapped_loads", "requests", "Loads copied layer by layer on the load thread while vLLM's forward ran "
+       "(extra_config.overlap_loads)"),
     _c("load_wait_seconds", "seconds", "Time vLLM's forward waited for layers the load thread had not copied yet "
        "(extra_config.overlap_loads)"),
     _c("load_thread_timeouts", "steps", "Steps whose load thread did not copy a layer within "

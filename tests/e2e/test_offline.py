@@ -135,8 +135,7 @@ def test_repeat_hits_and_matches_reference(main_run, reference):
     assert stats.get("lookup_timeouts", 0) == 0
     # The engine computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0): with a core beside it, the hits above were
     # copied there layer by layer while the forward ran (extra_config.overlap_loads: auto), before it otherwise.
-    beside = "copy layer by layer beside the forward, on the load thread" in Path(main_run["log"]).read_text()
-    assert beside == (len(os.sched_getaffinity(0)) > 1)
+    assert (stats.get("overlapped_loads", 0) > 0) == (len(os.sched_getaffinity(0)) > 1)
 
 
 def test_full_aligned_prompt_leaves_last_token_to_vllm(main_run, fresh_run, reference):

@@ -77,6 +77,7 @@ class LoadThread(Generic[Tag]):
             return
         with self._cond:
             self._copied, self._cancel, self._running = 0, False, True
+        metrics.inc("overlapped_loads", len(entries))
         self._executor.submit(self._run, entries)
 
     def _run(self, entries: list[tuple[Tag, LayerGenerator]]) -> None:
