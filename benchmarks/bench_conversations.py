@@ -19,8 +19,10 @@ L1 (`max_local_cpu_size`) a quarter of the conversations' KV (`--l1-fraction`); 
 or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bound the same way
 (`VLLM_CPU_OMP_THREADS_BIND=0`, our threads on the other cores: `extra_config.background_cpus`): vLLM alone
 (its prefix cache on), ours with defaults (L1 + disk), ours with `save_decode_cache`, ours with L1's
-`cache_policy: LIP`, LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its trace through
-other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
+`cache_policy: LIP`, LMCache's server mode (`--vs-lmcache PYTHON`); named in `--only`, also ours with
+`save_decode_cache` off whatever the default (`ours_no_decode`, the base of `*_vs_ours_no_decode_ratio`). Each of
+ours also replays its trace through other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum;
+chunk counts).
 
 Between the client and each server sits a recording proxy (`_chat_trace.py`): it sees every prompt's and
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
@@ -251,7 +253,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
             if row["ours_hit_tokens"]:  # the same from our counters: vLLM's own hits + what our tiers served
                 out[f"{name}.ours_counted_vs_unbounded_ratio"] = (
                     (row["vllm_prefix_cache_tokens"] + row["ours_hit_tokens"]) / row["unbounded_tokens"])
-        for base in ("vllm", "lmcache"):
+        for base in ("vllm", "lmcache", "ours_no_decode"):
             other = rows.get(base)
             if other is None or base == name:
                 continue
@@ -269,8 +271,8 @@ def main() -> None:
     def add_arguments(p) -> None:
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
-        p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode ours_lip "
-                       "lmcache")
+        p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode "
+                       "ours_no_decode ours_lip lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
         p.add_argument("--turns", type=int, help="user turns per conversation (default 6, --quick 4)")
@@ -316,12 +318,13 @@ def main() -> None:
         tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
         plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
+                ("ours_no_decode", ours({**tiers, "save_decode_cache": False}, args.chunk_size)),
                 ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size))]
         common = dict(model=model, w=w, conversations=conversations, script=script, num_blocks=num_blocks,
                       max_model_len=max_model_len, allowed=allowed)
         for name, kv_config in plan:
-            if args.only and name not in args.only:
-                continue
+            if (args.only and name not in args.only) or (name == "ours_no_decode" and not args.only):
+                continue  # ours_no_decode (save_decode_cache off whatever the default) only when named
             if kv_config is not None:  # a fresh disk tier for each of ours
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:
