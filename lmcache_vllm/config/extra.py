@@ -65,7 +65,7 @@ class ExtraConfig:
                                          "dropped and counted (inference never waits)", check=POSITIVE_INT)
     write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
     background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
-                                           "lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
+                                           "load, lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
                                            "beside its compute cores when it binds them itself "
                                            "(VLLM_CPU_OMP_THREADS_BIND=auto); for an in-process engine (LLM() with "
                                            "VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly, the CPUs its "
