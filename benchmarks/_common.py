@@ -167,6 +167,15 @@ def drop_page_cache(directory: str) -> None:
             os.close(fd)
 
 
+def tier_chunks(args: argparse.Namespace) -> tuple[int, tuple, int]:
+    """(chunks, chunk shape, repeats) of a tier benchmark from its --chunks, --chunk-mib (default 4 MiB, 2 with
+    --quick) and --repeats (default 7, 3 with --quick): bf16 chunks of 32 layers x K/V x tokens x 1024."""
+    chunk_mib = args.chunk_mib or (2.0 if args.quick else 4.0)
+    hidden = 1024
+    tokens = max(1, int(chunk_mib * (1 << 20) / (32 * 2 * hidden * 2)))
+    return args.chunks, (32, 2, tokens, hidden), args.repeats or (3 if args.quick else 7)
+
+
 def staged_chunks(num: int, shape: tuple):
     """What the tier benchmarks write from and read into: `num` random bf16 chunks of `shape`, their keys,
     copies of them in a source arena, and an empty destination arena whose pages are already faulted in

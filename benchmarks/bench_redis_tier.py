@@ -40,12 +40,7 @@ def add_arguments(parser) -> None:
 
 
 async def run(args, url: str) -> dict:
-    num = args.chunks
-    chunk_mib = args.chunk_mib or (2.0 if args.quick else 4.0)
-    repeats = args.repeats or (3 if args.quick else 7)
-    hidden = 1024
-    tokens = max(1, int(chunk_mib * (1 << 20) / (32 * 2 * hidden * 2)))
-    shape = (32, 2, tokens, hidden)
+    num, shape, repeats = _common.tier_chunks(args)
     chunks, keys, objs, dst_alloc = _common.staged_chunks(num, shape)
     chunk_bytes = chunks[0].numel() * 2
     total = chunk_bytes * num

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Runs the whole test suite in .venv. Tests start what they need themselves (redis-server on a free
-# loopback port, vLLM engines); this script only makes sure redis-server is installed.
+# Runs the whole test suite in .venv. Tests start what they need themselves (redis-server, mooncake_master and
+# mooncake_client on free loopback ports, vLLM engines); this script only makes sure the Debian packages they
+# need are installed: redis-server, and libibverbs1, which Mooncake's library loads even for TCP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[test] installing redis-server (Debian package)"
+PACKAGES=""
+command -v redis-server >/dev/null 2>&1 || PACKAGES="$PACKAGES redis-server"
+/sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || PACKAGES="$PACKAGES libibverbs1"
+if [ -n "$PACKAGES" ]; then
+  echo "[test] installing$PACKAGES (Debian packages)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  # shellcheck disable=SC2086
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $PACKAGES >/dev/null
 fi
 # Everything the tests write under the temp dir (vLLM's caches and sockets, pytest's tmp_path) goes into
 # one short-named directory that is removed afterwards.

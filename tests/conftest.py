@@ -1,7 +1,7 @@
 """Shared test fixtures: a real `redis-server` for the session (`redis_server`), a fresh key prefix per
-test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, and fresh process metrics for
-every test (`lmcache_vllm.observability.metrics` counts per process; `lmcache_vllm.observability.logs` rate-limits
-per process)."""
+test (`redis_prefix`), `make_chunk` for deterministic chunk tensors, an arena checked for leaks
+(`allocator`), and fresh process metrics for every test (`lmcache_vllm.observability.metrics` counts per
+process; `lmcache_vllm.observability.logs` rate-limits per process)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,16 @@ def make_chunk_tensor(seed: int, shape=(2, 2, 16, 64), dtype=torch.bfloat16) -> 
 @pytest.fixture
 def make_chunk():
     return make_chunk_tensor
+
+
+@pytest.fixture
+def allocator():
+    """An 8 MiB L1 arena for a tier's reads and writes; the test fails if it left MemoryObjs allocated."""
+    from lmcache_vllm.memory import HostAllocator
+
+    alloc = HostAllocator(8 << 20)
+    yield alloc
+    assert alloc.used_bytes == 0, "a test leaked MemoryObjs"
 
 
 def open_fds() -> set[str]:

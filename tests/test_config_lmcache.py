@@ -79,7 +79,7 @@ REFUSED = {
     "LMCache__examples__disk_offline_inference__example": set(),
     "LMCache__examples__docker__example": {"remote_serde", "remote_url"},
     "LMCache__examples__example": {"remote_url"},
-    "LMCache__examples__experimental__storage_backends__mooncakestore__backend_type": {"remote_url"},
+    "LMCache__examples__experimental__storage_backends__mooncakestore__backend_type": set(),  # our Mooncake tier
     "LMCache__examples__kv_cache_reuse__remote_backends__benchmark__example": {"remote_url"},
     "LMCache__examples__kv_cache_reuse__remote_backends__external__backend_type": {
         "remote_url", "extra_config.adt_kv_secret", "extra_config.adt_kv_connections",

@@ -72,7 +72,7 @@ def test_events_name_vllms_medium_and_our_tier():
     from lmcache_vllm.integration.vllm.events import to_vllm
 
     want = {"local_cpu": (MEDIUM_CPU, "LOCAL"), "local_disk": (MEDIUM_STORAGE, "LOCAL"),
-            "redis": (MEDIUM_STORAGE, "REMOTE")}
+            "redis": (MEDIUM_STORAGE, "REMOTE"), "mooncake": (MEDIUM_STORAGE, "REMOTE")}
     for tier, (medium, locality) in want.items():
         stored = to_vllm(kv_events.ChunkEvent(True, b"\x01" * 16, tier, b"\x00" * 16, (1, 2, 3)), 256)
         removed = to_vllm(kv_events.ChunkEvent(False, b"\x02" * 16, tier), 256)

@@ -123,13 +123,16 @@ STABLE = [
      'Writes a lower tier refused or failed (disk full, chunk larger than the tier, Redis down'
      ' or its breaker open)'),
     ("failed_reads", "counter", ('tier',),
-     'Reads or existence checks of a tier that failed (I/O error, Redis down or its breaker '
-     'open); answered as misses'),
+     'Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake down or its '
+     'breaker open); answered as misses'),
     ("corrupt_chunks", "counter", ('tier',),
      'Stored chunks that failed their checks (checksum, size, header) and were deleted'),
     ("unauthenticated_chunks", "counter", (),
      'Chunks whose keyed MAC did not verify (extra_config.chunk_mac_key set): also counted in '
      'corrupt_chunks, answered as misses and deleted'),
+    ("lost_chunks", "counter", ('tier',),
+     'Chunks a tier listed but could not read back (Mooncake: evicted since, or their storage host '
+     'died; such an entry is removed): answered as misses'),
     ("evictions", "counter", ('tier',),
      'Chunks evicted from a tier to make room (least recently used first)'),
     ("read_alloc_failures", "counter", ('tier',),

@@ -30,13 +30,6 @@ def key(i: int) -> str:
     return f"m@1@0@bfloat16@v1@{i:064x}"
 
 
-@pytest.fixture
-def allocator():
-    alloc = HostAllocator(8 << 20)
-    yield alloc
-    assert alloc.used_bytes == 0, "a test leaked MemoryObjs"
-
-
 def alloc_fn(allocator):
     return lambda shape, dtype: allocator.allocate(shape, dtype)
 

@@ -104,20 +104,20 @@ class ExtraConfig:
                                              "and is used as it is. False: such a directory is refused at "
                                              "start, since whoever can write it can plant chunks the model "
                                              "reads (shared: set a chunk MAC key, see docs/SECURITY.md)")
-    # L3 Redis
-    remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis key we write")
+    # L3 Redis (and Mooncake: remote_key_prefix, remote_timeout_secs, remote_breaker_max_secs)
+    remote_key_prefix: str = setting("lmcache_vllm:", "prefix of every Redis (or Mooncake) key we write")
     remote_ttl_secs: Optional[float] = setting(None, "expiry of stored chunks in Redis; null: never",
                                                check=SECONDS)
-    remote_timeout_secs: float = setting(2.0, "timeout of one Redis call; past it: a miss",
-                                         check=SECONDS)
+    remote_timeout_secs: float = setting(2.0, "timeout of one Redis or Mooncake call, per chunk it moves; past "
+                                              "it: a miss", check=SECONDS)
     remote_max_connections: int = setting(16, "Redis connections per server (per node of a Redis Cluster), "
                                               "also the most calls in flight to one node: more wait for one, "
                                               "within remote_timeout_secs", check=POSITIVE_INT)
     remote_read_groups: int = setting(1, "concurrent groups one batched Redis read is split into",
                                       check=POSITIVE_INT)
     remote_read_batch_keys: int = setting(8, "keys per Redis read command", check=POSITIVE_INT)
-    remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis calls after repeated failures",
-                                             check=SECONDS)
+    remote_breaker_max_secs: float = setting(30.0, "longest pause of Redis (or Mooncake) calls after repeated "
+                                                   "failures", check=SECONDS)
     ssl_ca_certs: Optional[str] = setting(None, "TLS remote_url (rediss://, rediss-cluster://, rediss-sentinel://): "
                                                 "PEM file of the CAs that sign the servers' certificates; null: "
                                                 "the system's CAs", check=READABLE_FILE)
@@ -129,6 +129,32 @@ class ExtraConfig:
                                              "their host names), 'optional' or 'none' (encryption without "
                                              "authentication of the server)",
                                  choices=("required", "optional", "none"))
+    # L3 Mooncake Store (remote_url: mooncakestore://master:port; docs/MOONCAKE.md). LMCache's names and units.
+    local_hostname: str = setting("localhost", "Mooncake: the host name or address this process gives Mooncake "
+                                               "as its own (the master and other clients reach its segment there)")
+    metadata_server: str = setting("P2PHANDSHAKE", "Mooncake: the transfer engine's metadata service: "
+                                                   "'P2PHANDSHAKE' (clients handshake directly, no service), or "
+                                                   "http://host:port/metadata, etcd://host:port")
+    master_server_address: Optional[str] = setting(None, "Mooncake: the master's host:port; null: remote_url's. "
+                                                         "Set together, they must agree")
+    global_segment_size: int = setting(3355443200, "Mooncake: bytes of this process's memory it gives the store's "
+                                                   "pool (LMCache's default); chunks placed there go when the "
+                                                   "process does. 0: only a client of the pool, which lives in "
+                                                   "storage hosts (mooncake_client) or other instances",
+                                       check=at_least(0, "bytes"))
+    local_buffer_size: int = setting(0, "Mooncake's own transfer buffer in bytes; lmcache-vllm moves chunks "
+                                        "straight from and into the L1 arena and needs none (LMCache's "
+                                        "default: 1 GiB)", check=at_least(0, "bytes"))
+    protocol: str = setting("tcp", "Mooncake's transfer protocol: 'tcp', 'rdma', or another the installed "
+                                   "Mooncake has")
+    device_name: str = setting("", "Mooncake: the RDMA devices to use (e.g. 'mlx5_0'); '' lets Mooncake "
+                                   "choose; remote_url's ?device= wins")
+    mooncake_prefer_local_alloc: bool = setting(False, "Mooncake: place the chunks this process stores in its "
+                                                       "own segment where it has room")
+    mooncake_threads: int = setting(4, "threads that make Mooncake calls, so the most calls in flight. A call "
+                                       "past its timeout keeps its thread until Mooncake returns (about 4 s "
+                                       "when the master is gone); while every thread is taken, calls are "
+                                       "misses at once", check=POSITIVE_INT)
     # Disaggregated prefill (docs/DISAGGREGATED.md)
     pd: str = setting("auto", "our part in disaggregated prefill: 'on' (a prefill instance holds for its decode "
                               "instances, a decode instance pulls), 'off' (kv_transfer_params are ignored: never "

@@ -45,6 +45,10 @@ def lacks(tp: Any, off: Any, reason: str, part_of: tuple[str, ...] = (), since: 
     return KeyRule(UNSUPPORTED, reason, tp, off, part_of, since=since)
 
 
+# The keys of Mooncake's store setup that LMCache takes unprefixed in extra_config; they are ours under the same
+# names (config/extra.py), and LMCache's mooncake_<key> spelling maps onto them.
+MOONCAKE_SETUP_KEYS = ("local_hostname", "metadata_server", "master_server_address", "global_segment_size",
+                       "local_buffer_size", "protocol", "device_name")
 OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 Ints, Strs, Floats = Optional[list[int]], Optional[list[str]], Optional[list[float]]
 PD = ("enable_pd", "enable_xpyd", "enable_nixl")  # disaggregated prefill: 0.5.6's switch, older ones
@@ -238,18 +242,29 @@ LMCACHE_EXTRA_KEYS: dict[str, KeyRule] = {
     "enable_nixl_storage": lacks(bool, False, "LMCache's NIXL storage backend"),
     "audit_verify_checksum": noop("LMCache's audit connector (not supported)"),
     "enable_sparse": lacks(bool, False, _BLEND),
+    "use_exists_sync": noop("LMCache's synchronous existence checks of its remote connectors; lmcache-vllm asks a "
+                            "remote tier in one batch per lookup, bounded by lookup_timeout_ms"),
+    # LMCache's Mooncake store (remote_url: mooncakestore://); its other keys are ours under the same names
+    "transfer_timeout": mapped("extra_config.remote_timeout_secs", "a Mooncake call's timeout (ours: per chunk a "
+                                                                   "call moves)"),
+    "prefer_local_alloc": mapped("extra_config.mooncake_prefer_local_alloc", "LMCache's older name"),
+    "storage_root_dir": lacks(OptStr, None, "Mooncake's SSD offload directory (MOONCAKE_STORAGE_ROOT_DIR); "
+                                            "lmcache-vllm's disk tier is local_disk"),
+    **{f"mooncake_{name}": mapped(f"extra_config.{target}", "LMCache's mooncake_-prefixed spelling")
+       for name, target in {**{k: k for k in MOONCAKE_SETUP_KEYS}, "master_server_addr": "master_server_address",
+                            "rdma_devices": "device_name", "transfer_timeout": "remote_timeout_secs"}.items()},
+    "mooncake_storage_root_dir": lacks(OptStr, None, "Mooncake's SSD offload directory (MOONCAKE_STORAGE_ROOT_DIR); "
+                                                     "lmcache-vllm's disk tier is local_disk"),
 }
-# Prefixes of LMCache backends' extra_config keys, and the Mooncake keys LMCache passes on unprefixed.
+# Prefixes of LMCache backends' extra_config keys.
 LMCACHE_EXTRA_PREFIXES = {
     "s3_": "LMCache's S3 connector", "aws_": "LMCache's S3 connector", "azure_": "LMCache's Azure connector",
     "valkey_": "LMCache's Valkey connector", "nixl_": "LMCache's NIXL backends",
-    "mooncake_": "LMCache's Mooncake store", "hf3fs_": "LMCache's 3FS connector",
+    "mooncake_": "Mooncake's setup (lmcache-vllm passes Mooncake the keys docs/CONFIG.md lists)",
+    "hf3fs_": "LMCache's 3FS connector",
     "fs_connector_": "LMCache's fs:// connector", "sagemaker_hyperpod_": "LMCache's SageMaker connector",
     "remote_storage_plugin.": "LMCache's remote storage plugins", "lmcache.": "LMCache's own settings",
 }
-MOONCAKE_KEYS = ("local_hostname", "metadata_server", "master_server_address", "global_segment_size",
-                 "local_buffer_size", "protocol", "device_name", "transfer_timeout", "storage_root_dir",
-                 "prefer_local_alloc")
 
 # remote_url schemes of LMCache (the part before "://") that are not ours (config/remote_url.py lists ours,
 # which include LMCache's redis://, rediss://, unix://, valkey://, redis-cluster:// and redis-sentinel://):
@@ -260,7 +275,8 @@ REMOTE_SCHEMES: dict[str, str] = {
     "plugin": "LMCache's remote storage plugins",
 }
 REMOTE_SCHEME_DEFAULT = "LMCache's {scheme}:// connector; lmcache-vllm's remote tier is Redis " \
-                        "(redis://, rediss://, unix://, redis-cluster://, redis-sentinel://, valkey://)"
+                        "(redis://, rediss://, unix://, redis-cluster://, redis-sentinel://, valkey://) or a " \
+                        "Mooncake Store (mooncakestore://)"
 # Environment variables (without the LMCACHE_ prefix) that LMCache's Redis Sentinel connector reads.
 SENTINEL_ENV_VARS = {
     "REDIS_SERVICE_NAME": "taken: the Sentinel master name of a redis-sentinel:// remote_url without "

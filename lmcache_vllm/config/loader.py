@@ -43,7 +43,13 @@ from lmcache_vllm.config.lmcache import (
 )
 from lmcache_vllm.config.reader import EXTRA_FIELDS, EntryReader
 from lmcache_vllm.config.redact import redact_text
-from lmcache_vllm.config.remote_url import DEFAULT_SENTINEL_SERVICE, Topology, parse_remote_url, sentinel_master_name
+from lmcache_vllm.config.remote_url import (
+    DEFAULT_SENTINEL_SERVICE,
+    Topology,
+    is_mooncake_url,
+    parse_remote_url,
+    sentinel_master_name,
+)
 from lmcache_vllm.config.schema import LMCacheConfig
 from lmcache_vllm.config.sources import (
     CONFIG_FILE_ENV,
@@ -200,7 +206,7 @@ def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
 
 def _sentinel_notes(config: LMCacheConfig, environ: Mapping[str, str]) -> list[str]:
     """Warnings about LMCache's Sentinel environment variables (`lmcache.SENTINEL_ENV_VARS`)."""
-    if config.remote_url is None:
+    if config.remote_url is None or is_mooncake_url(config.remote_url):
         return []
     target = parse_remote_url(config.remote_url)
     if target.topology is not Topology.SENTINEL:

@@ -23,7 +23,7 @@ from lmcache_vllm.config.fields import (
     parse_setting,
     parse_value,
 )
-from lmcache_vllm.config.lmcache import LMCACHE_EXTRA_KEYS, LMCACHE_EXTRA_PREFIXES, MAPPED, MOONCAKE_KEYS, NOOP, KeyRule
+from lmcache_vllm.config.lmcache import LMCACHE_EXTRA_KEYS, LMCACHE_EXTRA_PREFIXES, MAPPED, NOOP, KeyRule
 from lmcache_vllm.config.redact import MASK, is_secret_key, redact_text
 from lmcache_vllm.config.sources import Entry, value_problem
 
@@ -80,9 +80,8 @@ class EntryReader:
             self.take(EXTRA_FIELDS[key], EXTRA_TYPES[key], f"extra_config.{key}", entry, self.extra)
         elif isinstance(key, str) and key in LMCACHE_EXTRA_KEYS:
             self.rule(key, LMCACHE_EXTRA_KEYS[key], entry, "extra_config.")
-        elif isinstance(key, str) and (key in MOONCAKE_KEYS or key.startswith(tuple(LMCACHE_EXTRA_PREFIXES))):
-            owner = next((v for p, v in LMCACHE_EXTRA_PREFIXES.items() if key.startswith(p)),
-                         "LMCache's Mooncake store")
+        elif isinstance(key, str) and key.startswith(tuple(LMCACHE_EXTRA_PREFIXES)):
+            owner = next(v for p, v in LMCACHE_EXTRA_PREFIXES.items() if key.startswith(p))
             self.warn(f"extra_config.{key}", entry, f"ignored: a setting of {owner}, which lmcache-vllm "
                                                    f"does not have")
         else:

@@ -1,4 +1,5 @@
-"""What a `remote_url` names: every form the L3 Redis tier accepts, parsed once into a `RedisTarget`.
+"""What a `remote_url` names: every form the L3 Redis tier accepts, parsed once into a `RedisTarget`, and
+LMCache's `mooncakestore://` form, which names a Mooncake Store master instead (`MooncakeTarget`).
 
     redis://[user:pw@]host[:port][/db]       one server (valkey:// is the same); rediss:// / valkeys://: TLS
     unix:///path/redis.sock[?db=N]           one server on a Unix socket
@@ -7,6 +8,9 @@
                                                            valkeys-cluster://)
     redis-sentinel://[user:pw@]host:port[,host:port...][/master_name[/db]]   the master a set of Sentinels
                                                            names (TLS: rediss-sentinel://)
+
+    mooncakestore://host[:port][?device=NAME]               the master of a Mooncake Store (LMCache's form;
+                                                           port 50051 by default; `device`: its RDMA devices)
 
 The user and password authenticate at the data nodes (AUTH / ACL user), URL-quoted or not: the user info
 ends at the last `@` (`redact.split_url`, the rule redaction shares, so a password with `/`, `#`, `?` or `@`
@@ -46,6 +50,9 @@ SCHEMES: dict[str, tuple[Topology, bool]] = {
 DEFAULT_PORT = {Topology.SINGLE: 6379, Topology.CLUSTER: 6379, Topology.SENTINEL: 26379}
 SENTINEL_SERVICE_ENV = "REDIS_SERVICE_NAME"  # LMCache's name for the Sentinel master name
 DEFAULT_SENTINEL_SERVICE = "redismaster"  # LMCache's default when REDIS_SERVICE_NAME is unset
+MOONCAKE_SCHEME = "mooncakestore"  # LMCache's scheme of a Mooncake Store master
+MOONCAKE_DEFAULT_PORT = 50051  # mooncake_master's default RPC port
+MOONCAKE_ACCEPTED = "mooncakestore://host[:port][?device=NAME] (a Mooncake master; port 50051 by default)"
 # No user:password@ inside the URL forms: error texts are redacted (config/redact.py), which would mask it.
 ACCEPTED = ("redis://host:port[/db] (or rediss:// with TLS; valkey://, valkeys://), unix:///path/to/redis.sock, "
             "redis-cluster://host:port[,host:port...] (or rediss-cluster://, valkey-cluster://), "
@@ -112,6 +119,51 @@ def parse_remote_url(url: str) -> RedisTarget:
     master = unquote(names[0]) if names else None
     db = _db(names[1], scheme) if len(names) == 2 else 0
     return RedisTarget(scheme, topology, tls, nodes, username, password, db, master, url=url)
+
+
+@dataclass(frozen=True)
+class MooncakeTarget:
+    """A parsed `mooncakestore://` remote_url: the Mooncake master (`host`, `port`) and the RDMA devices the
+    URL names (`device`, "" when it names none)."""
+
+    host: str
+    port: int
+    device: str = ""
+
+    @property
+    def master_address(self) -> str:
+        """host:port as Mooncake's `master_server_address` spells it ([::1]:port for IPv6)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def display(self) -> str:
+        return f"{MOONCAKE_SCHEME}://{self.master_address}" + (f"?device={self.device}" if self.device else "")
+
+
+def is_mooncake_url(url: str) -> bool:
+    """Whether `url` names a Mooncake Store (LMCache's `mooncakestore://`), not a Redis form."""
+    return url.split("://", 1)[0].lower() == MOONCAKE_SCHEME if "://" in url else False
+
+
+def parse_mooncake_url(url: str) -> MooncakeTarget:
+    """The `MooncakeTarget` of a `mooncakestore://host[:port][/][?device=NAME]` URL; ValueError saying what is
+    wrong. No user information: Mooncake has no credentials."""
+    parts = split_url(url)
+    if parts is None or parts.scheme.lower() != MOONCAKE_SCHEME:
+        raise ValueError(f"expected {MOONCAKE_ACCEPTED}")
+    if parts.userinfo is not None:
+        raise ValueError(f"a Mooncake master takes no user or password: expected {MOONCAKE_ACCEPTED}")
+    rest, _, query = parts.rest.partition("?")
+    hostport, _, path = rest.partition("/")
+    if path or "," in hostport:
+        raise ValueError(f"one master, no path: expected {MOONCAKE_ACCEPTED} (got {url!r})")
+    host, port = _parse_node(hostport, MOONCAKE_DEFAULT_PORT, MOONCAKE_SCHEME)
+    device = ""
+    for item in filter(None, query.split("&")):
+        name, _, value = item.partition("=")
+        if name != "device":
+            raise ValueError(f"unknown parameter {name!r}: expected {MOONCAKE_ACCEPTED}")
+        device = unquote(value)
+    return MooncakeTarget(host, port, device)
 
 
 def _credentials(parts: UrlParts) -> tuple[Optional[str], Optional[str]]:

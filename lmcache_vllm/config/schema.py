@@ -9,6 +9,7 @@ sense together (a disk tier needs a size, a Redis URL must be one we can use), a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ from lmcache_vllm.config.fields import (
 )
 from lmcache_vllm.config.reader import build_extra
 from lmcache_vllm.config.redact import redact_value, remember_url_secrets
+from lmcache_vllm.config.remote_url import is_mooncake_url, parse_mooncake_url
 from lmcache_vllm.config.values import normalize_local_disk, remote_url_problem, tls_problems
 
 HASH_ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # chunk digests; tokens.py implements exactly these
@@ -58,7 +60,8 @@ class LMCacheConfig:
     remote_url: Optional[str] = setting(
         None, "L3 Redis: redis://[user:pw@]host:port[/db], rediss://... (TLS), unix:///path/to/redis.sock, "
               "redis-cluster://[user:pw@]host:port[,host:port...], redis-sentinel://host:port[,host:port...]"
-              "/master_name (see docs/SCALING.md); null: no L3")
+              "/master_name (see docs/SCALING.md); or a Mooncake Store: mooncakestore://master_host:port "
+              "(docs/MOONCAKE.md); null: no L3")
     remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
                                 choices=("naive",), value_aliases={None: "naive"})
     save_unfull_chunk: bool = setting(
@@ -154,8 +157,10 @@ class LMCacheConfig:
 
 
 def p2p_directory_url(cfg: LMCacheConfig) -> Optional[str]:
-    """Where the P2P directory lives: extra_config.p2p_directory_url, else remote_url (always a Redis form)."""
-    return cfg.extra_config.p2p_directory_url or cfg.remote_url
+    """Where the P2P directory lives: extra_config.p2p_directory_url, else remote_url when it is a Redis form."""
+    if cfg.extra_config.p2p_directory_url:
+        return cfg.extra_config.p2p_directory_url
+    return cfg.remote_url if cfg.remote_url is not None and not is_mooncake_url(cfg.remote_url) else None
 
 
 def _check_together(cfg: LMCacheConfig) -> list[Problem]:
@@ -179,16 +184,35 @@ def _check_together(cfg: LMCacheConfig) -> list[Problem]:
             problems.append(Problem("remote_url", cfg.remote_url, message))
     problems += tls_problems(cfg.remote_url, cfg.extra_config)
     problems += _p2p_problems(cfg)
+    problems += _mooncake_problems(cfg)
+    return problems
+
+
+def _mooncake_problems(cfg: LMCacheConfig) -> list[Problem]:
+    """A mooncakestore:// remote_url needs the mooncake package, and a master address that says one thing."""
+    url = cfg.remote_url
+    if url is None or not is_mooncake_url(url) or remote_url_problem(url):
+        return []
+    problems = []
+    if importlib.util.find_spec("mooncake") is None:
+        problems.append(Problem("remote_url", url, "a Mooncake Store needs the Python package mooncake: pip install "
+                                "mooncake-transfer-engine (mooncake-transfer-engine-non-cuda without CUDA)"))
+    given = cfg.extra_config.master_server_address
+    named = parse_mooncake_url(url).master_address
+    if given is not None and given != named:
+        problems.append(Problem("extra_config.master_server_address", given,
+                                f"remote_url names the master {named}: LMCache's releases differ on which of the "
+                                f"two wins, so set one of them (or both alike)"))
     return problems
 
 
 def _p2p_problems(cfg: LMCacheConfig) -> list[Problem]:
     url = cfg.extra_config.p2p_directory_url
     if url is not None:
-        message = remote_url_problem(url)
+        message = remote_url_problem(url, redis_only=True)
         if message:
             return [Problem("extra_config.p2p_directory_url", url, message)]
     if cfg.enable_p2p and p2p_directory_url(cfg) is None:
         return [Problem("enable_p2p", True, "needs a directory on Redis: set extra_config.p2p_directory_url (any "
-                                            "form remote_url accepts) or remote_url (docs/P2P.md)")]
+                                            "Redis form remote_url accepts) or a Redis remote_url (docs/P2P.md)")]
     return []

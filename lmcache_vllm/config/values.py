@@ -21,9 +21,15 @@ from lmcache_vllm.config.lmcache import (
     REMOTE_SCHEMES,
     REMOTE_SERDE,
 )
-from lmcache_vllm.config.remote_url import SCHEMES, parse_remote_url
+from lmcache_vllm.config.remote_url import (
+    MOONCAKE_SCHEME,
+    SCHEMES,
+    is_mooncake_url,
+    parse_mooncake_url,
+    parse_remote_url,
+)
 
-SUPPORTED_REMOTE_SCHEMES = tuple(SCHEMES)
+SUPPORTED_REMOTE_SCHEMES = (*SCHEMES, MOONCAKE_SCHEME)
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # extra_config keys that need a TLS remote_url
 
 
@@ -38,10 +44,14 @@ def normalize_local_disk(value: str) -> tuple[str, Optional[str]]:
     return os.path.normpath(path), None
 
 
-def remote_url_problem(url: str) -> Optional[str]:
-    """What is wrong with a `remote_url` (every accepted form: `remote_url.ACCEPTED`), or None."""
+def remote_url_problem(url: str, *, redis_only: bool = False) -> Optional[str]:
+    """What is wrong with a `remote_url` (every accepted form: `remote_url.ACCEPTED`, and with
+    `redis_only` False a Mooncake master's `mooncakestore://`), or None."""
     try:
-        parse_remote_url(url)
+        if is_mooncake_url(url) and not redis_only:
+            parse_mooncake_url(url)
+        else:
+            parse_remote_url(url)
     except ValueError as exc:
         return str(exc)
     return None
@@ -53,7 +63,7 @@ def tls_problems(remote_url: Optional[str], extra: Any) -> list[Problem]:
     problems: list[Problem] = []
     given = {name: getattr(extra, name) for name in TLS_FILES if getattr(extra, name) is not None}
     if given and remote_url is not None and not remote_url_problem(remote_url) \
-            and not parse_remote_url(remote_url).tls:
+            and (is_mooncake_url(remote_url) or not parse_remote_url(remote_url).tls):
         for name, value in given.items():
             problems.append(Problem(f"extra_config.{name}", value, "applies to a TLS remote_url only "
                                     "(rediss://, rediss-cluster://, rediss-sentinel://); remote_url has no TLS"))

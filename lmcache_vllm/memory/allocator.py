@@ -91,6 +91,11 @@ class MemoryObj:
         return self._freed
 
     @property
+    def arena(self) -> torch.Tensor:
+        """The whole arena this region lies in (a transfer engine registers it once: Mooncake's tier)."""
+        return self._allocator.arena
+
+    @property
     def evictable(self) -> bool:
         return self._evictor is not None
 

@@ -123,12 +123,14 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
        "the tier, Redis down or its breaker open)", _T),
-    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis "
+    _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake "
        "down or its breaker open); answered as misses", _T),
     _c("corrupt_chunks", "chunks", "Stored chunks that failed their checks (checksum, size, header) and "
        "were deleted", _T),
     _c("unauthenticated_chunks", "chunks", "Chunks whose keyed MAC did not verify (extra_config."
        "chunk_mac_key set): also counted in corrupt_chunks, answered as misses and deleted"),
+    _c("lost_chunks", "chunks", "Chunks a tier listed but could not read back (Mooncake: evicted since, or their "
+       "storage host died; such an entry is removed): answered as misses", _T),
     _c("evictions", "chunks", "Chunks evicted from a tier to make room (least recently used first)", _T),
     _c("read_alloc_failures", "chunks", "Lower-tier hits not read because no L1 memory was free", _T),
     _c("breaker_skipped_calls", "requests", "Calls answered at once as misses while the tier's circuit "

@@ -1,6 +1,6 @@
 """Builds the configured tiers from an `LMCacheConfig`: the L1 arena, and the lower tiers in
-`LOWER_TIERS` order (L2 local disk, then L3 Redis). A new tier is one module with a `StorageBackend`
-subclass whose `from_config` says whether the configuration enables it, plus one line in `LOWER_TIERS`.
+`LOWER_TIERS` order (L2 local disk, then L3: Redis or a Mooncake Store). A new tier is one module with a
+`StorageBackend` subclass whose `from_config` says whether the configuration enables it, plus one line in `LOWER_TIERS`.
 
 `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks: `extra_config.chunk_mac_key`,
 else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred: vLLM logs its
@@ -30,6 +30,7 @@ from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
+from lmcache_vllm.storage.mooncake import MooncakeBackend
 from lmcache_vllm.storage.p2p import P2PTier
 from lmcache_vllm.storage.redis import RedisBackend
 from lmcache_vllm.storage.transfer.sockets import bind_address
@@ -42,7 +43,7 @@ TRANSFER_PORT = "transfer port"  # a prefill instance's KV transfer server (stor
 
 # The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled (P2P's
 # write lists the chunk in its directory).
-LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, P2PTier, RedisBackend)
+LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, P2PTier, RedisBackend, MooncakeBackend)
 
 
 def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:

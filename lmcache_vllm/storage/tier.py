@@ -7,8 +7,9 @@ Redis are `STORAGE`, Redis (a fleet's pool) and a peer are `REMOTE` to the insta
 tier itself goes into the events' `ownership`, vLLM's field for a secondary tier's name. Order is speed: L1
 first, the shared pool last; `PEER` (another vLLM instance's L1, pulled for one request in disaggregated
 prefill: `transfer/client.py`) is never in a lookup answer; it and `P2P` (any other instance's L1 the P2P
-directory names: `p2p/`) come last so the lookup wire's tier codes of the others stay as they were. The order
-of reads is `registry.LOWER_TIERS`' (P2P before Redis).
+directory names: `p2p/`) come last so the lookup wire's tier codes of the others stay as they were, and
+`MOONCAKE` (a Mooncake Store, the shared pool in Redis' place: `mooncake/`) after them, for the same reason.
+The order of reads is `registry.LOWER_TIERS`' (P2P before Redis and Mooncake).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Tier(enum.StrEnum):
     REDIS = "redis"  # L3: the shared pool of a fleet
     PEER = "peer"  # a prefill instance's L1, read by its decode instance (disaggregated prefill)
     P2P = "p2p"  # other instances' L1 (or disk), found in the P2P directory and pulled (storage/p2p)
+    MOONCAKE = "mooncake"  # L3 in a Mooncake Store: the shared pool of a fleet that runs one (storage/mooncake)
 
     @property
     def medium(self) -> str:
@@ -28,10 +30,10 @@ class Tier(enum.StrEnum):
 
     @property
     def locality(self) -> str:
-        return "REMOTE" if self in (Tier.REDIS, Tier.PEER, Tier.P2P) else "LOCAL"
+        return "REMOTE" if self in (Tier.REDIS, Tier.PEER, Tier.P2P, Tier.MOONCAKE) else "LOCAL"
 
 
 # vLLM's MEDIUM_CPU / MEDIUM_STORAGE (vllm/distributed/kv_events.py), written out: storage/ imports no vLLM.
 _MEDIUMS = {Tier.LOCAL_CPU: "CPU", Tier.LOCAL_DISK: "STORAGE", Tier.REDIS: "STORAGE", Tier.PEER: "CPU",
-            Tier.P2P: "CPU"}
+            Tier.P2P: "CPU", Tier.MOONCAKE: "STORAGE"}
 TIER_NAMES: tuple[str, ...] = tuple(t.value for t in Tier)

@@ -85,7 +85,8 @@ _LOADING_ROLES = ("kv_both", "kv_consumer")
 # Where vLLM's prompt_tokens_cached_by_source puts the hits of each of our tiers.
 _HIT_SOURCES: dict[str, CacheHitSource] = {
     Tier.LOCAL_CPU: CacheHitSource.HOST, Tier.LOCAL_DISK: CacheHitSource.DISK,
-    Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P, Tier.P2P: CacheHitSource.P2P}
+    Tier.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED, Tier.PEER: CacheHitSource.P2P, Tier.P2P: CacheHitSource.P2P,
+    Tier.MOONCAKE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 _SAVING_ROLES = ("kv_both", "kv_producer")
 
 

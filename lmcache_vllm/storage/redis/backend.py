@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.config.redact import redact_text, remember_secret
-from lmcache_vllm.config.remote_url import parse_remote_url
+from lmcache_vllm.config.remote_url import is_mooncake_url, parse_remote_url
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
@@ -58,6 +58,11 @@ def _release_decoded(fut: Any) -> None:
     release_objs(obj for obj, _ in fut.result())
 
 
+def _is_redis(config: LMCacheConfig) -> bool:
+    """Whether `remote_url` names Redis (not LMCache's mooncakestore://, the Mooncake tier's)."""
+    return bool(config.remote_url) and not is_mooncake_url(config.remote_url or "")
+
+
 def glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
@@ -68,11 +73,11 @@ class RedisBackend(StorageBackend):
     @classmethod
     def from_config(cls, config: LMCacheConfig, *, key_filter: Callable[[str], bool] | None = None,
                     mac: codec.ChunkMac | None = None) -> RedisBackend | None:
-        return cls(config, mac=mac) if config.remote_url else None
+        return cls(config, mac=mac) if _is_redis(config) else None
 
     @classmethod
     def writable_by_others(cls, config: LMCacheConfig) -> str | None:
-        return "every instance and anyone who can reach the Redis server writes it" if config.remote_url else None
+        return "every instance and anyone who can reach the Redis server writes it" if _is_redis(config) else None
 
     def __init__(self, config: LMCacheConfig, *, mac: codec.ChunkMac | None = None,
                  breaker_base_secs: float = 0.5, check_at_start: bool = True):

@@ -1,11 +1,9 @@
 """`NodeGuard`: what stands between the Redis tier and one Redis server (a single server, the Sentinel master,
 or one node of a cluster): a circuit breaker, an in-flight limit and the per-node metrics.
 
-- Circuit breaker: a connection error or timeout opens it; calls then fail at once (no network) until a
-  retry time that doubles after each failed retry, from `base_secs` up to `max_secs`. The first call after
-  that time is the probe: success closes the breaker, failure pushes the retry time out. A probe that ends
-  neither way (cancelled: its request was aborted, or shutdown) gives the probe slot back, so the next call
-  probes again instead of the breaker staying shut.
+- Circuit breaker (`storage/breaker.py`): a connection error or timeout opens it; calls then fail at once (no
+  network) until a retry time that doubles after each failed retry, from `base_secs` up to `max_secs`; the
+  first call after it is the probe.
 - In-flight limit: at most `max_inflight` calls at once; more wait for a slot within the call's timeout
   (a node that answers slowly gets no pile of calls behind it). A wait that times out is a failed call but
   says nothing about the node, so it does not open the breaker.
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -24,6 +21,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from lmcache_vllm.config.redact import redact_text
 from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.breaker import Breaker
 from lmcache_vllm.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -44,51 +42,22 @@ class CallFailed(Exception):
         self.cause = cause
 
 
-class NodeGuard:
+class NodeGuard(Breaker):
     """Breaker and in-flight limit of one Redis server, named `name` (host:port; never credentials)."""
 
     def __init__(self, name: str, *, base_secs: float, max_secs: float, max_inflight: int, slot_wait_secs: float,
                  on_failure: Callable[[NodeGuard, BaseException], Awaitable[None]] | None = None):
         """`slot_wait_secs`: the longest wait for an in-flight slot; `on_failure(guard, exc)` runs after a
         failed call (e.g. to drop the node's dead sockets)."""
+        super().__init__(f"redis node {name}", base_secs=base_secs, max_secs=max_secs)
         self.name = name
         self.slot_wait_secs = slot_wait_secs
-        self.base_secs = float(base_secs)
-        self.max_secs = float(max_secs)
         self._slots = asyncio.Semaphore(max_inflight)
         self._on_failure = on_failure
-        self._failures = 0
-        self._retry_at: float | None = None  # open until then (None: closed)
-        self._probing = False
         self.inflight = 0
 
-    # ---- breaker ----------------------------------------------------------------------------------
-    @property
-    def is_open(self) -> bool:
-        return self._retry_at is not None
-
-    def _admit(self) -> bool | None:
-        """None: refused (open); True: let through as the probe; False: let through (closed)."""
-        if self._retry_at is None:
-            return False
-        if time.monotonic() >= self._retry_at and not self._probing:
-            self._probing = True
-            return True
-        return None
-
-    def succeeded(self) -> None:
-        if self._retry_at is not None:
-            logger.info("redis node %s reachable again", self.name)
-        self._retry_at, self._failures, self._probing = None, 0, False
-
-    def failed(self, exc: BaseException) -> None:
-        delay = min(self.max_secs, self.base_secs * (2 ** self._failures))
-        if self._failures == 0:
-            logger.warning("redis node %s failed (%s: %s); its keys are misses for %.1fs",
-                           self.name, type(exc).__name__, redact_text(str(exc)), delay)
-        self._failures += 1
-        self._retry_at = time.monotonic() + delay
-        self._probing = False
+    def call_failed(self, exc: BaseException) -> None:
+        self.failed(f"{type(exc).__name__}: {redact_text(str(exc))}")
         metrics.inc("redis_node_failed_calls", node=self.name)
 
     # ---- a guarded call ---------------------------------------------------------------------------
@@ -96,7 +65,7 @@ class NodeGuard:
         """The result of `make_coro()` run under the breaker, the in-flight limit and `timeout` seconds
         (None: the coroutine bounds its own waits); waiting for a slot takes at most `slot_wait_secs`.
         Raises `CallFailed` when the call was refused or failed; the breaker has been told."""
-        probe = self._admit()
+        probe = self.admit()
         if probe is None:
             metrics.inc("breaker_skipped_calls", tier=Tier.REDIS)
             metrics.inc("redis_node_skipped_calls", node=self.name)
@@ -119,7 +88,7 @@ class NodeGuard:
                         result = await make_coro()
             except CALL_ERRORS as exc:
                 settled = True
-                self.failed(exc)
+                self.call_failed(exc)
                 if self._on_failure is not None:
                     await self._on_failure(self, exc)
                 raise CallFailed(self.name, "error", exc) from exc
@@ -131,4 +100,4 @@ class NodeGuard:
             return result
         finally:
             if probe and not settled:
-                self._probing = False  # a probe that said nothing (busy, cancelled) gives its slot back
+                self.abandon_probe()  # a probe that said nothing (busy, cancelled) gives its turn back
