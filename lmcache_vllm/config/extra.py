@@ -76,7 +76,8 @@ class ExtraConfig:
     overlap_loads: str = setting("auto", "copy a step's loads from L1 layer by layer on a thread of ours while vLLM's "
                                          "forward computes the layers before (the forward waits only for a layer "
                                          "not copied yet): 'auto' = on the CPU backend when background_cpus are "
-                                         "CPUs the model does not compute on; 'on'; 'off' = before the forward",
+                                         "set and vLLM's step may run on another CPU; 'on'; 'off' = before the "
+                                         "forward",
                                  choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))

@@ -8,8 +8,8 @@ in L1: `CacheEngine.retrieve_layer`'s first step) and this thread copies them la
 CPUs, while the forward computes the earlier layers. The step waits only for a layer not copied yet.
 
 Used only where it cannot take the forward's own time: the thread runs on the background CPUs
-(`cpu_affinity`), so `extra_config.overlap_loads: auto` turns it on when those are CPUs the step thread does not
-run on (`overlap_wanted`). Its parallel torch ops run on it alone (`threads.single_threaded_torch`).
+(`cpu_affinity`), so `extra_config.overlap_loads: auto` turns it on when the step thread can run elsewhere
+(`overlap_wanted`). Its parallel torch ops run on it alone (`threads.single_threaded_torch`).
 
 Every wait is bounded by the load timeout. A layer copy that fails drops that request's load at that layer
 (reported to the caller with the layer, as the inline layerwise path does). Should a wait time out, the thread
@@ -38,13 +38,16 @@ Tag = TypeVar("Tag")
 
 def overlap_wanted(setting: str, device_type: str) -> bool:
     """Whether loads copy on the load thread (`extra_config.overlap_loads`): 'on', 'off', or 'auto' = on the
-    CPU backend when our background threads run on CPUs the calling (step) thread does not."""
+    CPU backend when our background threads run on CPUs of their own and the calling (step) thread may run on
+    another: a worker whose OpenMP threads vLLM bound (its serving processes) computes on CPUs that are not
+    ours; an engine in the caller's process (`LLM()` without multiprocessing) is not bound by vLLM 0.32 at all
+    and, with vLLM's one torch thread, takes whichever core the load thread leaves free."""
     if setting != "auto":
         return setting == "on"
     cpus = background_cpus()
     if device_type != "cpu" or not cpus or not hasattr(os, "sched_getaffinity"):
         return False
-    return not (cpus & os.sched_getaffinity(0))
+    return bool(os.sched_getaffinity(0) - cpus)
 
 
 def _thread_init() -> None:
