@@ -172,10 +172,9 @@ class PagedKVLayout(ABC):
         ext = self._kernel_for(caches)
         name = "gather_layers" if gather else "scatter_layers"
         if ext is None or caches[0].device.type != "cpu" or not hasattr(ext, name) or self.op_code is None:
-            views = [[chunk[layer] for chunk in chunks] for layer in range(self.num_layers)]
             if gather:
-                return lambda layer: self.gather_layer_chunks(layer, caches[layer], slots, views[layer])
-            return lambda layer: self.scatter_layer_chunks(views[layer], layer, caches[layer], slots)
+                return lambda layer: self.gather_layer_chunks(layer, caches[layer], slots, [c[layer] for c in chunks])
+            return lambda layer: self.scatter_layer_chunks([c[layer] for c in chunks], layer, caches[layer], slots)
         run, chunk_list, op_code, block_size = getattr(ext, name), list(chunks), self.op_code, self.geometry.block_size
 
         def copy(layer: int) -> None:
