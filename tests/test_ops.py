@@ -6,6 +6,7 @@ switch. CUDA tests run only where a GPU and the CUDA extension exist.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -275,18 +276,20 @@ def test_several_chunks_in_one_call_match_one_call_per_chunk(restore_isa, isa, k
     by_layer = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
     for layer, cache in enumerate(caches):
         layout.gather_layer_chunks(layer, cache, slots, [c[layer] for c in by_layer])
-    by_copier = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
-    gather_layer = layout.layer_copier(True, caches, slots, by_copier)
-    for layer in range(len(caches)):
-        gather_layer(layer)
-    for a, b, c in zip(by_layer, by_copier, many):
-        assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c))
-    into_layers = random_like(into_each, None)
-    scatter_layer = layout.layer_copier(False, into_layers, slots, sources)
-    for layer in range(len(caches)):
-        scatter_layer(layer)
-    for a, b in zip(into_layers, into_each):
-        assert torch.equal(bits(a), bits(b))
+    for mode in ("auto", "torch"):
+        with ops.forced_torch() if mode == "torch" else contextlib.nullcontext():
+            by_copier = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
+            gather_layer = layout.layer_copier(True, caches, slots, by_copier)
+            for layer in range(len(caches)):
+                gather_layer(layer)
+            into_layers = random_like(into_each, None)
+            scatter_layer = layout.layer_copier(False, into_layers, slots, sources)
+            for layer in range(len(caches)):
+                scatter_layer(layer)
+        for a, b, c in zip(by_layer, by_copier, many):
+            assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c))
+        for a, b in zip(into_layers, into_each):
+            assert torch.equal(bits(a), bits(b))
 
 
 @needs_cpu_ext
