@@ -90,6 +90,7 @@ class StorageManager(LowerTierReads):
         if self.lower:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
+        self._loop.call_soon_threadsafe(self._sweep_holds)
         self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -97,6 +98,13 @@ class StorageManager(LowerTierReads):
         enter_background_cpus()  # threads this loop starts (its executor's) inherit the CPUs
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+
+    def _sweep_holds(self) -> None:
+        """Releases the prefetches whose hold time passed, then again in a while (on the loop: a prefetch's
+        timeout at most a quarter of the hold time, and at most a second, late)."""
+        self._holds.expire(time.monotonic())
+        if not self._closed:
+            self._loop.call_later(min(1.0, self.prefetch_hold_secs / 4), self._sweep_holds)
 
     async def _make_queue(self) -> asyncio.Queue[tuple[str, MemoryObj]]:
         return asyncio.Queue()
@@ -290,7 +298,7 @@ class StorageManager(LowerTierReads):
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
-        owner = self._holds.new_owner()
+        owner = self._holds.new_owner(self.prefetch_hold_secs)  # released by the loop's sweep then (`_sweep_holds`)
         release = functools.partial(self._holds.release_owner, owner)
         found: list[MemoryObj] = []
         while len(found) < len(ks):
@@ -303,8 +311,6 @@ class StorageManager(LowerTierReads):
             found.append(shared)
         n = len(found)
         self._holds.hold_many(owner, ks[:n], found)
-        # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
-        self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not (self.lower or peer):
             if peer is not None:  # nothing to pull: the peer may drop what it keeps for this request
                 asyncio.run_coroutine_threadsafe(peer.close(), self._loop)
