@@ -260,9 +260,8 @@ class CacheEngine:
                 self.layout.gather_chunks(kv_caches, self._slots_of(slot_mapping, [c for c, _ in gathered]),
                                           [obj.tensor for _, obj in gathered])
             Fence.record(_device(kv_caches)).wait()  # the chunks hold the KV now (a GPU enqueued the gathers)
-            for chunk, obj in gathered:
-                self.storage.put(chunk.key, obj)
-                stored += chunk.num_tokens
+            self.storage.put_many([chunk.key for chunk, _ in gathered], [obj for _, obj in gathered])
+            stored = sum(chunk.num_tokens for chunk, _ in gathered)
         finally:
             self._release_after(kv_caches, [obj for _, obj in gathered])
         self._count("stored", stored)
@@ -318,10 +317,8 @@ class CacheEngine:
                     copy(layer)
                 yield layer
             Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
-            stored = 0
-            for chunk, obj in zip(chunks, objs):
-                self.storage.put(chunk.key, obj)
-                stored += chunk.num_tokens
+            self.storage.put_many([chunk.key for chunk in chunks], objs)
+            stored = sum(chunk.num_tokens for chunk in chunks)
             self._count("stored", stored)
             return stored
         finally:

@@ -148,24 +148,37 @@ class StorageManager(LowerTierReads):
 
     def put(self, key: KeyLike, obj: MemoryObj) -> None:
         """Stores `obj` under `key`: L1 now, lower tiers through the bounded write queue."""
+        self.put_many([key], [obj])
+
+    def put_many(self, keys: Sequence[KeyLike], objs: Sequence[MemoryObj]) -> None:
+        """`put` of each (key, object), the write-throughs handed to the loop in one call: a store's chunks wake
+        the loop thread once, not once each (each wake-up takes the GIL from whoever runs, vLLM's step too)."""
         if self._closed:
             return
-        k = _key_str(key)
-        known = self.l1.keep_entries and self.l1.contains_sync(k)
-        self.l1.put_sync(k, obj)
-        if not self.lower or (known and not self._writes.failed(k)):
-            return  # written through when it was first stored (or read from below); a failed write is retried
-        with self._lock:
-            if self._closed:
-                return
-            if self._pending >= self._queue_depth:
-                metrics.inc("dropped_stores", reason="queue_full")
-                self._writes.ended(k, False)
-                return
-            self._pending += 1
-            self._writes.started(k)
-            obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
+        queued: list[tuple[str, MemoryObj]] = []
+        for key, obj in zip(keys, objs):
+            k = _key_str(key)
+            known = self.l1.keep_entries and self.l1.contains_sync(k)
+            self.l1.put_sync(k, obj)
+            if not self.lower or (known and not self._writes.failed(k)):
+                continue  # written through when first stored (or read from below); a failed write is retried
+            with self._lock:
+                if self._closed:
+                    break
+                if self._pending >= self._queue_depth:
+                    metrics.inc("dropped_stores", reason="queue_full")
+                    self._writes.ended(k, False)
+                    continue
+                self._pending += 1
+                self._writes.started(k)
+                obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
+                queued.append((k, obj))
+        if queued:
+            self._loop.call_soon_threadsafe(self._enqueue, queued)
+
+    def _enqueue(self, items: list[tuple[str, MemoryObj]]) -> None:
+        for item in items:
+            self._queue.put_nowait(item)
 
     def wait_written(self, keys: Sequence[KeyLike], timeout: float) -> bool:
         """Waits until every one of `keys` is in every lower tier: the writes queued so far ended well, and
