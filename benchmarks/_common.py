@@ -125,6 +125,21 @@ def report_gbps(title: str, results: dict, json_path: Optional[str]) -> None:
     write_json(json_path, results)
 
 
+def write_configurations(path: Optional[str], results: dict, rows: dict[str, dict], failed: dict[str, str]) -> None:
+    """The results of a benchmark of whole configurations: `results` (ratios and what was run), each row's figures as
+    `<configuration>.<key>` and each failed configuration's reason; prints the ratios, writes the JSON, and exits
+    non-zero when a configuration failed."""
+    results = {**results, **{f"{name}.failed": why for name, why in failed.items()}}
+    for name, row in rows.items():
+        results.update((f"{name}.{key}", value) for key, value in row.items() if key != "name")
+    for key, value in results.items():
+        if key.endswith("_ratio"):
+            print(f"{key}: {value:.2f}")
+    write_json(path, results)
+    if failed:
+        raise SystemExit(f"failed configurations: {', '.join(failed)}")
+
+
 def write_json(path: Optional[str], results: dict) -> None:
     """Writes `results` (must be flat: str keys, scalar values) to `path` when given."""
     for key, value in results.items():

@@ -19,10 +19,11 @@ L1 (`max_local_cpu_size`) a quarter of the conversations' KV (`--l1-fraction`); 
 or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bound the same way
 (`VLLM_CPU_OMP_THREADS_BIND=0`, our threads on the other cores: `extra_config.background_cpus`): vLLM alone
 (its prefix cache on), ours with defaults (L1 + disk), ours with `save_decode_cache`, ours with L1's
-`cache_policy: LIP`, LMCache's server mode (`--vs-lmcache PYTHON`); named in `--only`, also ours with
-`save_decode_cache` off whatever the default (`ours_no_decode`, the base of `*_vs_ours_no_decode_ratio`). Each of
-ours also replays its trace through other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum;
-chunk counts).
+`cache_policy: LIP`, ours with lossless (`ours_lossless`) and fp8 (`ours_fp8`) chunk files (the disk's codec,
+`extra_config.local_disk_serde`; default naive; these two only when `--only` names them), ours with
+`save_decode_cache` off whatever the default (`ours_no_decode`, the base of `*_vs_ours_no_decode_ratio`; only when
+`--only` names it), LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its trace through
+other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
 
 Between the client and each server sits a recording proxy (`_chat_trace.py`): it sees every prompt's and
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
@@ -97,6 +98,9 @@ QUICK = Workload(users=12, turns=4, system_tokens=400, document_tokens=500, ques
                  clients=4, think_rate=2.0)
 FULL = Workload(users=16, turns=6, system_tokens=1000, document_tokens=1500, question_tokens=120,
                 answer_tokens=100, clients=4, think_rate=1.0)
+
+
+CODEC_RUNS = ("ours_lossless", "ours_fp8")  # run only when --only names them (bench_codecs.py says how)
 
 
 def client_script() -> Path:
@@ -268,11 +272,11 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 
 
 def main() -> None:
-    def add_arguments(p) -> None:
+    def add_arguments(p) -> None:  # (the codec runs only when --only names them)
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
         p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode "
-                       "ours_no_decode ours_lip lmcache")
+                       "ours_no_decode ours_lip ours_lossless ours_fp8 lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
         p.add_argument("--turns", type=int, help="user turns per conversation (default 6, --quick 4)")
@@ -280,6 +284,9 @@ def main() -> None:
                        "exponential pause after each request (default 1, --quick 2; 0: none)")
         p.add_argument("--l1-fraction", type=float, default=0.25, help="our L1 (and LMCache's) as a fraction of "
                        "the conversations' KV (default 0.25)")
+        p.add_argument("--disk-fraction", type=float, default=None, help="our disk tier as a fraction of the "
+                       "conversations' KV (default: 8 GiB, never full): below 1, the disk's codec decides how much "
+                       "of it stays (--only ours ours_lossless ours_fp8)")
         p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server, client and LMCache logs)")
         p.add_argument("--free-answers", action="store_true", help="let the random-weight model generate any "
                        "token (its answers then do not tokenise back to the same ids)")
@@ -315,16 +322,21 @@ def main() -> None:
                                                   + 4 * w.turns * w.question_tokens))
         conversations = tmp / "conversations.json"
         conversations.write_text(json.dumps(generator_config(w, text)))
-        tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": 8.0}
+        disk_gib = 8.0 if args.disk_fraction is None else \
+            round(args.disk_fraction * w.working_set_tokens() * per_token / (1 << 30), 4)
+        tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": disk_gib}
         plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
                 ("ours_no_decode", ours({**tiers, "save_decode_cache": False}, args.chunk_size)),
-                ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size))]
+                ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
+                # the disk tier's codec (ours: naive, the default): lossless and fp8 chunk files against it
+                ("ours_lossless", ours({**tiers, "extra_config": {"local_disk_serde": "lossless"}}, args.chunk_size)),
+                ("ours_fp8", ours({**tiers, "extra_config": {"local_disk_serde": "fp8"}}, args.chunk_size))]
         common = dict(model=model, w=w, conversations=conversations, script=script, num_blocks=num_blocks,
                       max_model_len=max_model_len, allowed=allowed)
         for name, kv_config in plan:
-            if (args.only and name not in args.only) or (name == "ours_no_decode" and not args.only):
-                continue  # ours_no_decode (save_decode_cache off whatever the default) only when named
+            if (args.only and name not in args.only) or (not args.only and name in CODEC_RUNS + ("ours_no_decode",)):
+                continue  # the codecs and ours_no_decode (save_decode_cache off whatever the default) only when named
             if kv_config is not None:  # a fresh disk tier for each of ours
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:
@@ -365,18 +377,9 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
     if replays:
         _common.print_table("our L1 replayed under eviction policies (chunks a lookup found)", replays,
                             ("config", "policy", "from L1", "from disk"))
-    res = {"model": size, "cpu": _common.cpu_model(), **{f"workload.{k}": v for k, v in asdict(w).items()},
-           **ratios(rows), **{f"{name}.failed": why for name, why in failed.items()}}
-    for name, row in rows.items():
-        for key, value in row.items():
-            if key != "name":
-                res[f"{name}.{key}"] = value
-    for key, value in res.items():
-        if key.endswith("_ratio"):
-            print(f"{key}: {value:.2f}")
-    _common.write_json(json_path, res)
-    if failed:
-        raise SystemExit(f"failed configurations: {', '.join(failed)}")
+    _common.write_configurations(json_path, {"model": size, "cpu": _common.cpu_model(),
+                                             **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows)},
+                                 rows, failed)
 
 
 if __name__ == "__main__":

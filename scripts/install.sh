@@ -38,4 +38,14 @@ else
 fi
 
 LMCACHE_VLLM_NO_EXT=${LMCACHE_VLLM_NO_EXT:-0} pip_install --no-build-isolation -e ".[test]"
+
+# SGLang, for the tests of its HiCache storage backend (lmcache_vllm/integration/sglang, docs/SGLANG.md): the
+# pinned release without its dependencies (they would replace torch and vLLM's own), plus the pure-Python
+# packages `import sglang` needs on a CPU (orjson, IPython and what IPython needs, gguf), each pinned, so that
+# nothing vLLM needs changes version. A second run reinstalls nothing.
+SGLANG_VERSION=0.5.23
+pip_install --no-deps "sglang==$SGLANG_VERSION" orjson==3.13.0 gguf==0.19.0 ipython==9.18.1 \
+  ipython_pygments_lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 traitlets==5.16.1 \
+  prompt_toolkit==3.0.53 wcwidth==0.9.4 pexpect==4.9.0 ptyprocess==0.7.0 stack-data==0.6.3 asttokens==3.0.2 \
+  executing==2.3.0 pure_eval==0.2.4
 echo "[install] done: $($VENV/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"

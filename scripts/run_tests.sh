@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs the whole test suite in .venv. Tests start what they need themselves (redis-server, mooncake_master and
 # mooncake_client on free loopback ports, vLLM engines); this script only makes sure the Debian packages they
-# need are installed: redis-server, and libibverbs1, which Mooncake's library loads even for TCP.
+# need are installed: redis-server; libibverbs1, which Mooncake's library loads even for TCP; libssl-dev, with
+# which SGLang compiles its page hash (OpenSSL SHA-256) on first use (tests/test_sglang_*.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES=""
 command -v redis-server >/dev/null 2>&1 || PACKAGES="$PACKAGES redis-server"
 /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || PACKAGES="$PACKAGES libibverbs1"
+[ -e /usr/include/openssl/sha.h ] || PACKAGES="$PACKAGES libssl-dev"
 if [ -n "$PACKAGES" ]; then
   echo "[test] installing$PACKAGES (Debian packages)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

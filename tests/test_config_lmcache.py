@@ -278,3 +278,33 @@ def test_check_command_over_files():
     assert run.returncode == 1
     assert f"{ok}: loads" in run.stdout and f"{refused}: refused" in run.stdout
     assert "error: remote_url='lm://localhost:65432'" in run.stdout
+
+
+@pytest.mark.parametrize("value,expected", [("naive", "naive"), ("fp8", "fp8"), ("lossless", "lossless"),
+                                            ("torch", "naive"), ("FP8", "fp8")])
+def test_remote_serde_takes_lmcache_values_that_we_implement(value, expected):
+    report = inspect(LMCACHE_REMOTE_SERDE=value, LMCACHE_REMOTE_URL="redis://127.0.0.1:6379")
+    assert not report.problems and report.config.remote_serde == expected
+
+
+@pytest.mark.parametrize("value", ["cachegen", "kivi", "asym_k16_v8"])
+def test_gpu_serdes_are_refused_naming_what_to_use_instead(value):
+    report = inspect({"remote_serde": value, "remote_url": "redis://127.0.0.1:6379"})
+    (problem,) = report.problems
+    assert problem.key == "remote_serde" and "lossless" in problem.message and "fp8" in problem.message
+
+
+def test_codec_keys_of_the_disk_and_the_wire_are_checked_with_every_other_problem():
+    report = inspect({"extra_config": {"local_disk_serde": "zstd", "transfer_serde": "cachegen"},
+                      "chunk_size": 0})
+    assert {p.key for p in report.problems} == {"extra_config.local_disk_serde", "extra_config.transfer_serde",
+                                                "chunk_size"}
+    ok = inspect({"extra_config": {"local_disk_serde": "fp8", "transfer_serde": "lossless"}})
+    assert ok.config.extra_config.local_disk_serde == "fp8" and ok.config.extra_config.transfer_serde == "lossless"
+
+
+def test_the_config_names_exactly_the_codecs_storage_implements():
+    from lmcache_vllm.config.extra import SERDES
+    from lmcache_vllm.storage.coders import CODER_NAMES
+
+    assert SERDES == CODER_NAMES

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_storage_codec import KEY, craft_chunk
 
 from lmcache_vllm.memory import AllocationError, HostAllocator
-from lmcache_vllm.storage import chunk_file, codec
+from lmcache_vllm.storage import chunk_file, codec, coders
 from lmcache_vllm.storage.codec import CorruptEntry
 
 pytestmark = pytest.mark.fuzz
@@ -46,7 +46,8 @@ def check_decode(buf: bytes, key=KEY, mac=None) -> None:
         return
     header = codec.parse_header(buf, key)
     assert tuple(obj.tensor.shape) == header.shape and obj.tensor.dtype == header.dtype
-    assert bytes(codec.payload_view(obj.tensor)) == bytes(buf[header.header_len:])
+    if not header.coded:
+        assert bytes(codec.payload_view(obj.tensor)) == bytes(buf[header.header_len:])
     obj.ref_down()
     assert ARENA.used_bytes == before
 
@@ -92,10 +93,15 @@ def crafted(draw):
     payload_len = _pick(sel[13], words[1], 4096, numel * itemsize) % 2**64
     payload = bytes(min(payload_len, 4096)) if words[12] % 3 else draw(st.binary(max_size=256))
     header_len = None if words[13] % 4 else _pick(sel[10], words[10], 2**16, 4096) % 2**32
-    fmt = codec.FORMAT_VERSION if words[11] % 16 else words[11] % 2**16
+    fmt = (codec.FORMAT_VERSION, codec.CODED_FORMAT_VERSION)[words[11] % 2] if words[11] % 16 > 1 else words[11] % 2**16
     key = KEY if words[9] % 8 else draw(st.text(max_size=40))
+    # a coded chunk: a coder (mostly a real one), its argument and the reserved field, and a payload of the
+    # length its header claims: random bytes for blosc2 and the fp8 decoder to chew on
+    coder = (words[8] % 4, (words[8] >> 8) % 8 if words[8] % 3 else 6, 0 if words[8] % 11 else words[8] >> 32 & 0xFFFF)
+    if fmt == codec.CODED_FORMAT_VERSION and payload_len <= 4096 and words[12] % 3 == 0:
+        payload = draw(st.binary(min_size=payload_len, max_size=payload_len))
     return craft_chunk(key, shape, dtype_code=dtype_code, payload=payload, payload_len=payload_len,
-                       header_len=header_len, fmt=fmt)
+                       header_len=header_len, fmt=fmt, coder=coder)
 
 
 @examples(6000)
@@ -110,12 +116,13 @@ def test_crafted_headers_with_valid_checksums():
 
 
 @functools.cache
-def encoded(seed: int, shape: tuple, with_mac: bool) -> bytes:
+def encoded(seed: int, shape: tuple, with_mac: bool, coder: str = "naive") -> bytes:
     gen = torch.Generator().manual_seed(seed)
     tensor = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    return bytes(codec.encode(KEY, tensor, mac=MAC if with_mac else None))
+    return bytes(codec.encode(KEY, tensor, mac=MAC if with_mac else None, coder=coder))
 
 
+CODERS = ("naive", "lossless", "fp8")
 DAMAGES = ("flip", "set", "insert", "delete", "truncate")
 SHAPES = ((2, 2, 8, 16), (1, 64), (3,))
 
@@ -127,7 +134,7 @@ def _damaged_encodings(spec):
     value): one draw of bytes keeps hypothesis fast."""
     seed, shape, with_mac = spec[0] % 10, SHAPES[spec[0] // 10 % 3], spec[0] >= 128
     mac = MAC if with_mac else None
-    original = encoded(seed, shape, with_mac)
+    original = encoded(seed, shape, with_mac, CODERS[spec[1] % 3])
     buf = bytearray(original)
     for j in range(1, len(spec) - 3, 4):
         kind, where, value = DAMAGES[spec[j] % 5], int.from_bytes(spec[j + 1:j + 3], "little"), spec[j + 3]
@@ -157,9 +164,41 @@ def test_damaged_encodings():
         _damaged_encodings()
 
 
+@examples(1200)
+@given(st.binary(min_size=6, max_size=26))
+def _damaged_coded_payloads(spec):
+    """A coded chunk whose stored payload is damaged (1-5 bytes set, flipped or cut) behind a header rebuilt
+    with its checksum (what anyone who writes a shared tier can do): the decoders themselves (blosc2, fp8)
+    meet the damage. Each decode gives a chunk of the header's shape, or CorruptEntry; never a crash or a leak."""
+    coder = ("lossless", "fp8")[spec[0] % 2]
+    shape = ((2, 2, 16, 128), (1, 2, 8, 64), (4, 192))[spec[0] // 2 % 3]
+    gen = torch.Generator().manual_seed(spec[1])
+    tensor = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    original = codec.encode_parts(KEY, tensor, coder=coder)
+    stored = bytearray(memoryview(original.payload).cast("B"))
+    for j in range(2, len(spec) - 3, 4):
+        where = int.from_bytes(spec[j:j + 3], "little") % max(1, 64 if spec[j + 3] % 2 else len(stored))
+        if spec[j + 3] % 8 == 7:
+            del stored[where:]
+        elif stored:
+            stored[where % len(stored)] ^= spec[j + 3] | 1
+    header = codec.parse_header(original.header, KEY)
+    try:
+        header_bytes = codec.encode_header(KEY, tensor, stored=(coders.CODERS[coder], header.coder_arg, bytes(stored)))
+    except ValueError:
+        return
+    check_decode(header_bytes + bytes(stored))
+
+
+def test_damaged_coded_payloads():
+    with bounded_run():
+        _damaged_coded_payloads()
+
+
 @examples(1000)
 @given(st.one_of(st.binary(max_size=512), st.binary(max_size=64).map(lambda b: codec.MAGIC + b),
-                 st.binary(max_size=200).map(lambda b: codec.MAGIC + struct.pack("<H", codec.FORMAT_VERSION) + b)))
+                 *(st.binary(max_size=200).map(lambda b, fmt=fmt: codec.MAGIC + struct.pack("<H", fmt) + b)
+                   for fmt in codec.READABLE_FORMATS)))
 def _random_bytes(buf):
     check_decode(buf)
     check_decode(buf, key=None)

@@ -12,7 +12,8 @@ pytest.importorskip("vllm")
 
 from vllm.config import ModelConfig, VllmConfig  # noqa: E402
 
-from lmcache_vllm.integration.vllm.fingerprint import SAMPLE_BYTES, model_identity, weights_signature  # noqa: E402
+from lmcache_vllm.identity import SAMPLE_BYTES, weights_signature  # noqa: E402
+from lmcache_vllm.integration.vllm.fingerprint import model_identity  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.local_model import build_model  # noqa: E402
 
 

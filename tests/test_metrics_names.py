@@ -116,9 +116,13 @@ STABLE = [
      'Chunks written to a tier'),
     ("stored_bytes", "counter", ('tier',),
      'Bytes of chunks written to a tier'),
+    ("coded_bytes", "counter", ('tier', 'codec'),
+     "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec after fallbacks: naive, "
+     "lossless, fp8); stored_bytes over it is the compression ratio"),
     ("dropped_stores", "counter", ('reason',),
      'Chunks not stored below L1 or at all: arena_full (no L1 memory for a new chunk), '
-     'queue_full (lower-tier write queue full), shutdown (queued at close)'),
+     'queue_full (lower-tier write queue full), shutdown (queued at close), cold_backlog (an L1 '
+     'eviction the compressed cold part of L1 had no time to code)'),
     ("failed_writes", "counter", ('tier',),
      'Writes a lower tier refused or failed (disk full, chunk larger than the tier, Redis down'
      ' or its breaker open)'),
@@ -236,6 +240,13 @@ STABLE = [
     ("pins_released", "counter", ('reason',),
      'Pinned prefixes let go before a later pin (reason: budget, the oldest when '
      'extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)'),
+    ("sglang_pages", "counter", ("op", "outcome"),
+     "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, exists) and outcome (ok: "
+     "stored, loaded into SGLang's host pool or found; missed: not found or not readable in time, a corrupt page "
+     "included; failed: a store no tier took in time; refused: arguments that do not name pages of a registered "
+     "pool, or a pool of a kind it cannot store)"),
+    ("sglang_call_seconds", "histogram", ("op",),
+     "Time of one call of SGLang's HiCache controller into the backend (op: set, get, exists)"),
     ("used_bytes", "gauge", ('tier',),
      'Bytes a tier uses now'),
     ("capacity_bytes", "gauge", ('tier',),

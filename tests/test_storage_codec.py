@@ -61,7 +61,7 @@ def test_damage_is_detected(damage):
     if damage == "magic":
         buf[0:4] = b"XXXX"
     elif damage == "version":
-        struct.pack_into("<H", buf, 4, codec.FORMAT_VERSION + 1)
+        struct.pack_into("<H", buf, 4, max(codec.READABLE_FORMATS) + 1)
     elif damage == "header_byte":
         buf[10] ^= 0x01  # key length: the header checksum catches it
     elif damage == "shape":
@@ -84,6 +84,8 @@ def test_damage_is_detected(damage):
 
 def test_read_format_version():
     assert codec.read_format_version(bytes(codec.encode(KEY, _tensor()))) == codec.FORMAT_VERSION
+    coded = codec.encode(KEY, _tensor(), coder="lossless")
+    assert codec.read_format_version(bytes(coded)) == codec.CODED_FORMAT_VERSION
     assert codec.read_format_version(b"nope") is None
 
 
@@ -120,15 +122,17 @@ def test_keyed_mac_authenticates_header_and_payload():
 
 
 def craft_chunk(key: str, shape, *, dtype_code: int = 3, payload: bytes = b"", payload_len=None,
-                header_len=None, fmt: int = codec.FORMAT_VERSION) -> bytes:
+                header_len=None, fmt: int = codec.FORMAT_VERSION, coder: tuple[int, int, int] = (1, 0, 0)) -> bytes:
     """A chunk whose header says what we like, with a correct header checksum (what anyone who can
-    write to a shared tier can produce): only the bounds on each field can refuse it."""
+    write to a shared tier can produce): only the bounds on each field can refuse it. `fmt` 3 (or any
+    other but 2) carries `coder` (code, argument, reserved) after the MAC."""
     key_bytes = key.encode()
     body = key_bytes + struct.pack(f"<{len(shape)}Q", *shape)
-    header_len = codec.FIXED_SIZE + len(body) if header_len is None else header_len
+    extra = struct.pack("<BBH", *coder) if fmt != codec.FORMAT_VERSION else b""
+    header_len = codec.FIXED_SIZE + len(extra) + len(body) if header_len is None else header_len
     payload_len = len(payload) if payload_len is None else payload_len
     fixed = struct.pack(f"<4sHHIIIQQ{codec.MAC_SIZE}s", codec.MAGIC, fmt, dtype_code, len(key_bytes),
-                        len(shape), header_len, payload_len, codec.checksum(payload), bytes(codec.MAC_SIZE))
+                        len(shape), header_len, payload_len, codec.checksum(payload), bytes(codec.MAC_SIZE)) + extra
     header = fixed + struct.pack("<I", xxhash.xxh32_intdigest(fixed + body)) + body
     padding = header_len - len(header) if header_len <= 2 * codec.MAX_HEADER_LEN else 0  # (else: cut short)
     return header + bytes(max(0, padding)) + payload

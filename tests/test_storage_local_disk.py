@@ -77,7 +77,7 @@ async def test_restart_reindexes_and_leaves_foreign_files_alone(tmp_path, alloc,
     await disk.close()
     # a file of a future format version and an unrelated file: both must survive the restart
     future = bytearray(codec.encode_header(key(7), make_chunk(7, CHUNK), align=4096))
-    future[4:6] = (codec.FORMAT_VERSION + 1).to_bytes(2, "little")
+    future[4:6] = (max(codec.READABLE_FORMATS) + 1).to_bytes(2, "little")
     (tmp_path / filename_for(key(7))).write_bytes(bytes(future))
     (tmp_path / "notes.txt").write_text("keep me")
 

@@ -8,7 +8,7 @@ import torch
 
 SCRIPT = textwrap.dedent("""
     import os, sys, threading, torch
-    from lmcache_vllm.integration.vllm.threads import single_threaded_torch
+    from lmcache_vllm.cpu_affinity import single_threaded_torch
     torch.set_num_threads(2)
     x = torch.randn(1 << 22)
     (x * 2).sum()  # the main thread's OpenMP team exists now

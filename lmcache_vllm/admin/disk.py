@@ -53,7 +53,7 @@ def _read_file(path: str, name: str, verify: bool) -> _File:
             payload = bytearray(header.payload_len)
             f.readinto(payload)
             try:
-                codec.verify_payload(header, payload)
+                codec.verify_stored(header, payload)
             except codec.CorruptEntry as exc:
                 item.problem = str(exc)
                 return item

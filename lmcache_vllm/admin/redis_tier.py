@@ -85,7 +85,7 @@ def _judge(rkey: bytes, key: str, length: int, head: bytes, client: redis.Redis,
         if not isinstance(value, bytes):  # None: removed meanwhile, nothing to report
             return None
         try:
-            codec.verify_payload(header, memoryview(value)[header.header_len:])
+            codec.verify_stored(header, memoryview(value)[header.header_len:])
         except codec.CorruptEntry as exc:
             return str(exc)
     return None

@@ -27,6 +27,8 @@ from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.cpu_affinity import parse_cpu_list
 
 POSITIVE_INT = at_least(1, "an integer")
+# Chunk codecs a tier can write (storage/coders.py implements exactly these; config imports no storage).
+SERDES = ("naive", "lossless", "fp8")
 SECONDS = greater_than(0, "seconds")
 MAX_RANKS = 256  # ports above a base port kept free for the ranks
 
@@ -94,10 +96,20 @@ class ExtraConfig:
                                                "lmcache.pin_tokens) may keep at most, as a fraction of "
                                                "max_local_cpu_size; the oldest pins are let go first; 0: pin "
                                                "hints are refused", check=_fraction)
+    local_cpu_cold_fraction: float = setting(0.0, "part of max_local_cpu_size that keeps L1's least recently used "
+                                                  "chunks lossless-coded (1.47x fewer bytes on bf16 KV: more "
+                                                  "distinct prompts in the same memory; a hit there is decoded "
+                                                  "and loaded asynchronously, like a disk hit); 0: none",
+                                             check=lambda v: None if 0.0 <= v <= 0.9 else "a fraction from 0 to 0.9")
     # L2 local disk
     disk_io_threads: int = setting(8, "threads reading chunk files (writes: one thread per write_workers)",
                                    check=POSITIVE_INT)
     disk_fsync: bool = setting(False, "fsync every chunk file before it counts as stored")
+    local_disk_serde: str = setting("naive", "codec of the chunk files written to local_disk, as remote_serde: "
+                                             "'naive' (a cold read at disk speed beat decoding on 2 busy cores: "
+                                             "docs/CONFIG.md, 'Compression'), 'lossless' (1.47x the chunks in "
+                                             "max_local_disk_size), 'fp8'; files of every codec are read",
+                                    choices=SERDES)
     disk_direct_io: bool = setting(True, "write chunk files with O_DIRECT straight from the arena "
                                          "(file systems that refuse it are written normally)")
     local_disk_shared: bool = setting(False, "the local_disk directory is shared with other users: it may "
@@ -177,6 +189,11 @@ class ExtraConfig:
                                                      "full; the decode instance recomputes; counted in "
                                                      "pd_holds_refused); null: half of the L1 arena; 0: no cap",
                                                check=at_least(0, "bytes"))
+    transfer_serde: str = setting("auto", "codec of chunks sent to other instances (disaggregated prefill pulls, "
+                                          "P2P): 'auto' (lossless while this instance's measured encode rate is "
+                                          "above the rate its sends reached: a link slower than the codec; else "
+                                          "naive), or naive, lossless, fp8 (as remote_serde); a receiver reads "
+                                          "every codec", choices=SERDES + ("auto",))
     pd_pull_timeout_secs: float = setting(5.0, "a decode instance's longest wait for the prefill instance's "
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)

@@ -86,7 +86,8 @@ class _Loader(EntryReader):
     """Turns every source's entries into field values, with the origin of each, every problem and every
     warning. Later entries win; extra_config merges key by key."""
 
-    def __init__(self) -> None:
+    def __init__(self, overrides_source: str = OVERRIDES_SOURCE) -> None:
+        self.overrides_source = overrides_source
         super().__init__()
         self.values: dict[str, Any] = {}
         self.resp_url: Optional[Entry] = None
@@ -101,7 +102,7 @@ class _Loader(EntryReader):
             return
         if self.unbounded(key, entry):
             return
-        if entry.origin.source == OVERRIDES_SOURCE and key.startswith("lmcache."):
+        if entry.origin.source == self.overrides_source and key.startswith("lmcache."):
             key, entry = key[len("lmcache."):], replace(entry, key=key[len("lmcache."):])  # LMCache's prefix
         if key == "extra_config":
             self.extra_mapping(entry)
@@ -187,15 +188,16 @@ class _Loader(EntryReader):
 
 
 def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
-                   environ: Optional[Mapping[str, str]] = None) -> ConfigReport:
+                   environ: Optional[Mapping[str, str]] = None, source: str = OVERRIDES_SOURCE) -> ConfigReport:
     """Reads every source (see the module docstring) and reports the configuration, every problem and
-    every warning, without raising or logging."""
+    every warning, without raising or logging. `source` names where `overrides` came from in messages
+    (vLLM's kv_connector_extra_config; SGLang's hicache-storage-backend-extra-config)."""
     environ = os.environ if environ is None else environ
-    loader = _Loader()
+    loader = _Loader(source)
     path = environ.get(CONFIG_FILE_ENV)
     entries = read_yaml(path, loader.problems) if path else []
     env, others = env_entries(environ, set(TOP_FIELDS) | set(LMCACHE_KEYS))
-    for entry in entries + env + code_entries(overrides):
+    for entry in entries + env + code_entries(overrides, source):
         loader.top(entry)
     loader.environment(others)
     config = loader.finish()
@@ -221,10 +223,10 @@ def _sentinel_notes(config: LMCacheConfig, environ: Mapping[str, str]) -> list[s
 
 
 def load_config(overrides: Optional[Mapping[str, Any]] = None, *,
-                environ: Optional[Mapping[str, str]] = None) -> LMCacheConfig:
+                environ: Optional[Mapping[str, str]] = None, source: str = OVERRIDES_SOURCE) -> LMCacheConfig:
     """Builds the configuration: defaults < YAML file < LMCACHE_* environment < `overrides`. Logs one
     warning line per key ignored or translated; raises one ConfigError listing every problem."""
-    report = inspect_config(overrides, environ=environ)
+    report = inspect_config(overrides, environ=environ, source=source)
     for warning in report.warnings:
         logger.warning("lmcache-vllm config: %s", warning)
     raise_if_any(report.problems)

@@ -13,7 +13,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lmcache_vllm.config.extra import ExtraConfig
+from lmcache_vllm.config.extra import SERDES, ExtraConfig
 from lmcache_vllm.config.fields import (
     Origin,
     Problem,
@@ -62,8 +62,12 @@ class LMCacheConfig:
               "redis-cluster://[user:pw@]host:port[,host:port...], redis-sentinel://host:port[,host:port...]"
               "/master_name (see docs/SCALING.md); or a Mooncake Store: mooncakestore://master_host:port "
               "(docs/MOONCAKE.md); null: no L3")
-    remote_serde: str = setting("naive", "encoding of stored chunks: raw bytes behind our header",
-                                choices=("naive",), value_aliases={None: "naive"})
+    remote_serde: str = setting(
+        "lossless", "codec of the chunks written to a Redis remote_url: 'lossless' (exact; 1.47x fewer bytes on "
+                    "bf16 KV), 'naive' (raw bytes: LMCache's default, and what builds before this one read), 'fp8' "
+                    "(scaled e4m3, 1.97x, lossy: never a default); chunks of every codec are read whatever it is "
+                    "(a Mooncake Store's chunks stay naive: its reads land in L1 without a copy; docs/CONFIG.md, "
+                    "'Compression')", choices=SERDES, value_aliases={None: "naive"})
     save_unfull_chunk: bool = setting(
         False, "also store the trailing partial chunk: an exact repeat then loads all but its last token "
                "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
@@ -90,9 +94,10 @@ class LMCacheConfig:
         "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
         choices=HASH_ALGORITHMS)
     enable_kv_events: bool = setting(
-        False, "KV cache events (BlockStored / BlockRemoved per chunk; vLLM's medium CPU for L1, STORAGE for disk "
-               "and Redis; our tier in ownership) through vLLM's KV event publisher (vLLM's --kv-events-config "
-               "turns publishing on)")
+        False, "KV cache events for cache-aware routers, in vLLM's own form (BlockStored / BlockRemoved of vLLM's "
+               "blocks per tier: medium CPU for L1, STORAGE for disk and a shared pool; docs/ROUTING.md) through "
+               "vLLM's KV event publisher (vLLM's --kv-events-config turns publishing on); chunk_size must then be "
+               "a multiple of vLLM's block size")
     enable_p2p: bool = setting(
         False, "share chunks between instances peer to peer: each instance serves what its L1 holds (its disk "
                "too with extra_config.p2p_serve_disk) from a transfer server per worker rank and lists it in a "

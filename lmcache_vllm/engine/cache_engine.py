@@ -30,7 +30,7 @@ from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.manager import StorageManager
 from lmcache_vllm.storage.tier import Tier
-from lmcache_vllm.tokens import CacheKey, KeyBuilder, TokenIds
+from lmcache_vllm.tokens import TOKEN_BYTES, CacheKey, KeyBuilder, TokenIds, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class CacheEngine:
         `include_partial` says so)."""
         partial = self.config.save_unfull_chunk if include_partial is None else include_partial
         chunks = self._chunks(tokens, partial, extra)
-        self._note_for_events(tokens, chunks)
+        self._note_for_events(tokens, chunks, extra)
         if not chunks:
             return []
         # Tokens outside the mask before each position, once: a chunk is stored when it has none.
@@ -154,7 +154,7 @@ class CacheEngine:
             return plan
         cs = self.keys.chunk_size  # every chunk but the last is whole: chunk i starts at i * cs
         first, last = int(wanted[0]) // cs, int(wanted[-1]) // cs
-        self._note_for_events(tokens, chunks[:last + 1])  # read from below, it lands in L1
+        self._note_for_events(tokens, chunks[:last + 1], extra)  # read from below, it lands in L1
         chunks = chunks[first:last + 1]
         objs = self.storage.get([c.key for c in chunks], owner, lower_tiers, expected=self._specs(chunks))
         whole = self.layout.chunk_shape(self.keys.chunk_size)
@@ -177,13 +177,16 @@ class CacheEngine:
         return plan
 
     @staticmethod
-    def _note_for_events(tokens: TokenIds, chunks: list[_Chunk]) -> None:
-        """Parent digest and token ids of each chunk, for the KV events of the tiers it lands in."""
-        if not kv_events.RECORDER.enabled:
+    def _note_for_events(tokens: TokenIds, chunks: list[_Chunk], extra: ExtraKeys | None) -> None:
+        """Parent digest and token ids of each chunk, for the KV events of the tiers it lands in; none for a
+        request with extra keys (a router hashing its token ids would take it for plain text)."""
+        if not kv_events.RECORDER.enabled or extra or not chunks:
             return
+        data = token_bytes(tokens)
         parent = None
         for chunk in chunks:
-            kv_events.note_chunk(chunk.key.digest, parent, tokens[chunk.start:chunk.end])
+            span = data[chunk.start * TOKEN_BYTES:chunk.end * TOKEN_BYTES]
+            kv_events.note_chunk(chunk.key.digest, parent, bytes(span))
             parent = chunk.key.digest
 
     @staticmethod
@@ -226,7 +229,7 @@ class CacheEngine:
         cs = self.keys.chunk_size
         first = max(0, start) // cs
         chunks = self._chunks(tokens, self.config.save_unfull_chunk or peer is not None, extra)
-        self._note_for_events(tokens, chunks)  # what the prefetch reads from below lands in L1
+        self._note_for_events(tokens, chunks, extra)  # what the prefetch reads from below lands in L1
         chunks = chunks[first:]
         handle = self.storage.prefetch([c.key for c in chunks], peer=peer, expected=self._specs(chunks))
         return HeldPrefix(handle, first * cs, [c.end for c in chunks])

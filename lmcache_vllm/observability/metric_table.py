@@ -119,8 +119,12 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("read_bytes", "bytes", "Bytes of chunks served by a tier", _T),
     _c("stored_chunks", "chunks", "Chunks written to a tier", _T),
     _c("stored_bytes", "bytes", "Bytes of chunks written to a tier", _T),
+    _c("coded_bytes", "bytes", "Payload bytes a tier wrote for its chunks after their codec (a chunk's codec "
+       "after fallbacks: naive, lossless, fp8); stored_bytes over it is the compression ratio",
+       ("tier", "codec")),
     _c("dropped_stores", "chunks", "Chunks not stored below L1 or at all: arena_full (no L1 memory for a "
-       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close)", ("reason",)),
+       "new chunk), queue_full (lower-tier write queue full), shutdown (queued at close), cold_backlog (an L1 "
+       "eviction the compressed cold part of L1 had no time to code)", ("reason",)),
     _c("failed_writes", "chunks", "Writes a lower tier refused or failed (disk full, chunk larger than "
        "the tier, Redis down or its breaker open)", _T),
     _c("failed_reads", "requests", "Reads or existence checks of a tier that failed (I/O error, Redis or Mooncake "
@@ -211,6 +215,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "malformed, unknown, bad_skip_save, bad_pin_tokens, pins_disabled)", ("reason",), scope="engine"),
     _c("pins_released", "prefixes", "Pinned prefixes let go before a later pin (reason: budget, the "
        "oldest when extra_config.max_pinned_fraction of L1 was full) or never pinned (too_large)", ("reason",)),
+    # -- SGLang's HiCache storage backend (docs/SGLANG.md): calls of SGLang's cache controller into our tiers
+    _c("sglang_pages", "pages", "Pages SGLang's HiCache controller handed the backend, by call (op: set, get, "
+       "exists) and outcome (ok: stored, loaded into SGLang's host pool or found; missed: not found or not "
+       "readable in time, a corrupt page included; failed: a store no tier took in time; refused: arguments "
+       "that do not name pages of a registered pool, or a pool of a kind it cannot store)", ("op", "outcome")),
+    _h("sglang_call_seconds", "Time of one call of SGLang's HiCache controller into the backend (op: set, get, "
+       "exists)", ("op",)),
     # -- gauges, read when asked for
     _g("used_bytes", "bytes", "Bytes a tier uses now", _T),
     _g("capacity_bytes", "bytes", "Bytes a tier may use", _T),

@@ -42,6 +42,8 @@ class StorageBackend(abc.ABC):
     # False for a tier that only knows where chunks are (P2P's directory): a write-through there is not a copy
     # others can read when this instance is gone (`StorageManager.wait_written` does not wait for it).
     holds_payloads = True
+    # False for a tier the manager does not write through (L1's compressed cold part: fed by L1's evictions).
+    takes_writes = True
     # Whether a chunk read from this tier is promoted into L1 (P2P: only with extra_config.p2p_keep_pulled).
     promotes = True
 
@@ -57,6 +59,10 @@ class StorageBackend(abc.ABC):
     def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
         """Who besides this process can write the tier `config` configures (None: nobody): such a tier
         needs a chunk MAC, or anyone who can write it plants KV the model reads (`registry`)."""
+        return None
+
+    def attach_l1(self, l1: LocalCPUBackend) -> None:
+        """The manager's L1, as soon as both exist (a tier fed by L1's evictions: `local_cpu_cold.py`)."""
         return None
 
     def attach(self, l1: LocalCPUBackend, identity: InstanceIdentity, tiers: Sequence[StorageBackend]) -> None:

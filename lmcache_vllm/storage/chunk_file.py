@@ -4,7 +4,8 @@
 
 - File name: the key string with every byte outside `[A-Za-z0-9._@-]` percent-escaped, plus `.lmc`
   (keys too long for a file name use `h-<xxh3_128 of the key>.lmc`; the key is in the header anyway).
-- Contents: `codec` header padded to 4 KiB (`HEADER_ALIGN`), then the raw payload.
+- Contents: `codec` header padded to 4 KiB (`HEADER_ALIGN`), then the payload: the raw bytes (naive), or
+  as the tier's codec stored them (`codec.encode_parts`; read back through a buffer and decoded).
 - Temp files (`.tmp-*`) hold a write in progress until it is renamed into place; one older than
   `STALE_TMP_SECS` is a crashed writer's and is removed (by the tier's start-up scan and by `clear`).
 
@@ -83,7 +84,7 @@ def check_file(name: str, head: bytes, size: int,
       or the file is not exactly header + payload bytes (truncated or padded).
     - Else its header. The payload's checksum and MAC are checked once it is read (`codec.verify_payload`).
     """
-    if codec.read_format_version(head) != codec.FORMAT_VERSION:
+    if codec.read_format_version(head) not in codec.READABLE_FORMATS:
         return None
     header = codec.parse_header(head)
     if filename_for(header.key) != name:
@@ -181,9 +182,14 @@ def read_chunk(path: str, key: str, alloc: AllocFn,
         if obj is None:
             return None
         try:
-            dest = codec.payload_view(obj.tensor)
-            pread_full(fd, dest, header.header_len)
-            codec.verify_payload(header, dest, mac)
+            if header.coded:  # read into a buffer of its own, checked, decoded into the chunk's memory
+                stored = codec.payload_buffer(header.payload_len)
+                pread_full(fd, stored, header.header_len)
+                codec.decode_payload_into(stored, header, obj.tensor, mac)
+            else:  # straight into the chunk's memory, checked there
+                dest = codec.payload_view(obj.tensor)
+                pread_full(fd, dest, header.header_len)
+                codec.verify_payload(header, dest, mac)
         except BaseException:
             obj.ref_down()
             raise
@@ -192,7 +198,7 @@ def read_chunk(path: str, key: str, alloc: AllocFn,
         os.close(fd)
 
 
-def write_chunk(directory: str, name: str, tmp_name: str, header: bytes, payload: memoryview, direct: bool,
+def write_chunk(directory: str, name: str, tmp_name: str, header: bytes, payload: codec.ChunkBytes, direct: bool,
                 fsync: bool, direct_refused: Optional[Callable[[str], None]] = None,
                 commit: Optional[Callable[[str, str], bool]] = None) -> bool:
     """Writes header + payload to `directory/tmp_name` (O_DIRECT when `direct` and the file system
@@ -209,7 +215,7 @@ def write_chunk(directory: str, name: str, tmp_name: str, header: bytes, payload
         direct_refused("open")
     try:
         try:
-            if opened_direct and not write_direct(fd, header, payload):
+            if opened_direct and not write_direct(fd, header, memoryview(payload).cast("B")):
                 if direct_refused is not None:
                     direct_refused("write")
                 opened_direct = False

@@ -1,38 +1,47 @@
-"""The byte format of a KV chunk outside process memory (disk files, Redis values): header + raw payload.
+"""The byte format of a KV chunk outside process memory (disk files, Redis values, the transfer wire):
+header + payload, the payload as one of the coders of `coders.py` wrote it.
 
 Layout (little-endian):
 
     fixed part  magic b"LMCV" | format u16 | dtype code u16 | key length u32 | ndim u32 |
                 header length u32 | payload length u64 | payload xxh3_64 u64 | MAC 32 bytes |
-                header xxh32 u32
+                [format 3: coder u8 | coder argument u8 | reserved u16 (0)] | header xxh32 u32
     key         UTF-8 bytes of the key string
-    shape       ndim x u64
+    shape       ndim x u64 (the decoded tensor's, whatever the coder)
     padding     zeros up to `header length` (disk files pad to 4 KiB so payloads start page-aligned)
-    payload     the tensor's bytes, C order
+    payload     `payload length` stored bytes: the tensor's bytes in C order (`naive`), or its coder's
 
-The header checksum covers every header byte before it plus the key and shape; the payload checksum is
-xxh3_64 (measured ~19 GB/s on one core here, against ~2.6 GB/s for zlib's crc32, so it costs a few
-percent of disk or network bandwidth). Decoding checks magic, format, dtype, key, shape against the
-payload length, both checksums and the bytes actually present; any mismatch raises `CorruptEntry`, which
-callers turn into a miss plus removal of the entry. Nothing here unpickles or evaluates anything.
+Format 3 names the payload's coder; format 2 (every chunk of earlier builds) is a `naive` chunk. Both are read;
+a `naive` chunk is still written as format 2, byte for byte what earlier builds wrote and read, so instances of
+both share a tier; only a coded chunk needs format 3 (an earlier build takes it for another format). Each coder
+bounds the stored length it accepts for the header's shape (`PayloadCoder.stored_size_ok`) before anything is
+read or allocated. The header checksum covers the header; the payload checksum (xxh3_64, ~19 GB/s on one core
+here) the stored bytes. Decoding checks magic, format, dtype, key, coder, shape against the payload length, both
+checksums and the bytes present, then decodes; any mismatch (a coded payload that does not decode included)
+raises `CorruptEntry`, which callers turn into a miss plus removal of the entry. Nothing is unpickled.
+
+One entry point for every tier: `encode(key, tensor, mac, coder=...)` (one buffer: Redis and tiers like it)
+or `encode_parts` (header and payload apart: disk files, the wire), and `decode` / `decode_payload_into`,
+which read every coder. A tier only chooses the coder's name (`coders.CODER_NAMES`); `fp8` falls back to
+`lossless` for chunks it does not apply to, `lossless` to `naive` when it would not shrink a chunk.
 
 Keyed MAC (optional, `ChunkMac`): a checksum only catches accidents; anyone who can write to a shared
 Redis or disk directory can plant a chunk that validates. With a secret configured
 (`extra_config.chunk_mac_key` or the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable), writers fill
 the MAC field with keyed BLAKE3 (key derived from the secret) over the header, MAC field zeroed, and
-the payload; readers with a secret reject (`UnauthenticatedEntry`, a `CorruptEntry`: a counted miss,
+the stored payload; readers with a secret reject (`UnauthenticatedEntry`, a `CorruptEntry`: a counted miss,
 the entry is deleted) any chunk whose MAC does not verify, all-zero MACs of writers without a secret
-included. Readers without a secret ignore the field. Format 2 added the field; format-1 entries are
-not read (another format version).
+included. Readers without a secret ignore the field. Format-1 entries (before the field) are not read.
 
 A reader that knows which shape and dtype each key's chunk must have (the engine does: `chunk_shape(T)` of
 its layout and the KV dtype) hands the tiers an `ExpectedAlloc`; every tier allocates through `allocate`,
 which refuses a header claiming anything else (`CorruptEntry`) before a byte is allocated, so a planted
 header cannot make a read allocate more than the chunk it stands for (and evict L1 to find room).
 
-`decode_into` copies a payload into a preallocated tensor with `ctypes.memmove`, which releases the GIL
-(as xxh3 does), so decoding on a worker thread overlaps the event loop's socket reads; `payload_view`
-exposes a tensor's bytes so readers (`os.preadv`) can fill a `MemoryObj` without an intermediate buffer.
+`decode_into` copies a payload into a preallocated tensor with `ctypes.memmove` (a coded one: its coder
+decodes it there) without the GIL, so decoding on a worker thread overlaps the event loop's socket reads;
+`payload_view` exposes a tensor's bytes so readers (`os.preadv`) fill a `MemoryObj` without an intermediate
+buffer (a coded payload is read into one of its own first, `payload_buffer`).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import xxhash
 
 from lmcache_vllm.config.redact import remember_secret
 from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.coders import BY_CODE, CODERS, NAIVE, BadPayload, PayloadCoder, encode_payload
 
 if TYPE_CHECKING:
     from lmcache_vllm.memory import AllocFn, MemoryObj
@@ -58,19 +68,25 @@ if TYPE_CHECKING:
 ChunkBytes = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"LMCV"
+# Format 2: naive chunks, as every earlier build wrote and reads them; also the "stored format" in chunk keys
+# (`tokens.CacheKey`: what a decoded chunk holds, the same whatever its coder, so old files keep their keys).
 FORMAT_VERSION = 2
+CODED_FORMAT_VERSION = 3  # a chunk whose header names its coder (lossless, fp8)
+READABLE_FORMATS = (FORMAT_VERSION, CODED_FORMAT_VERSION)
 MAC_SIZE = 32
 _NO_MAC = bytes(MAC_SIZE)
-# magic, fmt, dtype, key_len, ndim, header_len, payload_len, xxh3, MAC
-_FIXED = struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}s")
-_MAC_OFFSET = _FIXED.size - MAC_SIZE
+# magic, fmt, dtype, key_len, ndim, header_len, payload_len, xxh3, MAC (+ format 3: coder, argument, reserved)
+_FIXED2 = struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}s")
+_CODER = struct.Struct("<BBH")
+_FIXED = {FORMAT_VERSION: _FIXED2, CODED_FORMAT_VERSION: struct.Struct(f"<4sHHIIIQQ{MAC_SIZE}sBBH")}
+_MAC_OFFSET = _FIXED2.size - MAC_SIZE
 _HEADER_SUM = struct.Struct("<I")
-FIXED_SIZE = _FIXED.size + _HEADER_SUM.size
+FIXED_SIZE = _FIXED2.size + _HEADER_SUM.size  # of a format-2 header (a format-3 one: + _CODER.size)
 # A key longer than this is refused on encode and treated as corrupt on decode (bounds header reads).
 MAX_KEY_BYTES = 4096
 MAX_NDIM = 8
 # Readers fetch this many bytes first; every header with key <= MAX_KEY_BYTES fits.
-MAX_HEADER_SIZE = FIXED_SIZE + MAX_KEY_BYTES + 8 * MAX_NDIM
+MAX_HEADER_SIZE = FIXED_SIZE + _CODER.size + MAX_KEY_BYTES + 8 * MAX_NDIM
 # Bounds on what a header may claim, checked before any of it is used (a header with a recomputed
 # checksum is anyone's to write on a shared tier): padding up to 64 KiB (disk files pad to 4 KiB), each
 # dimension below 2**31, and a payload of at most 64 GiB (a chunk of 256 tokens of a 400B model is
@@ -141,10 +157,34 @@ class ChunkHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     header_len: int
-    payload_len: int
+    payload_len: int  # stored bytes (the coded payload)
     checksum: int
     mac: bytes = _NO_MAC
     signed_header: bytes = b""  # the header bytes the MAC covers (fixed part with the MAC zeroed + body)
+    coder: int = 0  # `coders.PayloadCoder.code` of the payload (format 2: naive)
+    coder_arg: int = 0
+
+    @property
+    def coded(self) -> bool:
+        """Whether the payload is not the tensor's bytes themselves (it is decoded, not copied)."""
+        return self.coder != 0
+
+    @property
+    def coder_name(self) -> str:
+        return BY_CODE[self.coder].name
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A chunk ready to store: its header and its payload (a view of the tensor's bytes when naive)."""
+
+    header: bytes
+    payload: ChunkBytes
+    coder: str
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + memoryview(self.payload).nbytes
 
 
 def payload_view(tensor: torch.Tensor) -> memoryview:
@@ -155,6 +195,11 @@ def payload_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B")
 
 
+def payload_buffer(nbytes: int) -> memoryview:
+    """An uninitialised writable buffer of `nbytes` (a coded payload read apart from its tensor)."""
+    return np.empty(nbytes, dtype=np.uint8).data.cast("B")
+
+
 def checksum(data: ChunkBytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
@@ -163,15 +208,17 @@ def _align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment if alignment > 1 else n
 
 
-def header_size(key: str, ndim: int, align: int = 1) -> int:
-    """Bytes `encode_header` produces for this key and number of dimensions."""
-    return _align_up(FIXED_SIZE + len(key.encode("utf-8")) + 8 * ndim, align)
+def header_size(key: str, ndim: int, align: int = 1, coded: bool = False) -> int:
+    """Bytes `encode_header` produces for this key and number of dimensions (`coded`: a format-3 header)."""
+    return _align_up(FIXED_SIZE + (_CODER.size if coded else 0) + len(key.encode("utf-8")) + 8 * ndim, align)
 
 
 def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
-                  payload_checksum: Optional[int] = None, mac: Optional[ChunkMac] = None) -> bytes:
+                  payload_checksum: Optional[int] = None, mac: Optional[ChunkMac] = None,
+                  stored: Optional[tuple[PayloadCoder, int, ChunkBytes]] = None) -> bytes:
     """Header for `tensor` stored under `key`, padded to a multiple of `align` bytes; with `mac`, its MAC
-    field authenticates header and payload."""
+    field authenticates header and payload. `stored`: the payload as `encode_payload` made it (None: naive,
+    the tensor's bytes)."""
     if tensor.dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype {tensor.dtype} has no stored-format code")
     key_bytes = key.encode("utf-8")
@@ -179,35 +226,48 @@ def encode_header(key: str, tensor: torch.Tensor, *, align: int = 1,
         raise ValueError(f"key is {len(key_bytes)} bytes, more than {MAX_KEY_BYTES}")
     if tensor.dim() > MAX_NDIM:
         raise ValueError(f"tensor has {tensor.dim()} dims, more than {MAX_NDIM}")
-    payload = payload_view(tensor)
-    if payload.nbytes > MAX_PAYLOAD_BYTES or any(dim > MAX_DIM for dim in tensor.shape):
+    coder, arg, payload = stored if stored is not None else (CODERS[NAIVE], 0, payload_view(tensor))
+    raw_len = tensor.numel() * tensor.element_size()
+    if raw_len > MAX_PAYLOAD_BYTES or any(dim > MAX_DIM for dim in tensor.shape):
         raise ValueError(f"tensor {tuple(tensor.shape)} is beyond what a reader accepts "
                          f"({MAX_PAYLOAD_BYTES} bytes, dimensions up to {MAX_DIM})")
+    nbytes = memoryview(payload).nbytes
     if payload_checksum is None:
         payload_checksum = checksum(payload)
     shape = tuple(tensor.shape)
     body = key_bytes + struct.pack(f"<{len(shape)}Q", *shape)
-    header_len = _align_up(FIXED_SIZE + len(body), align)
-    fields = (MAGIC, FORMAT_VERSION, _DTYPE_CODES[tensor.dtype], len(key_bytes), len(shape), header_len,
-              payload.nbytes, payload_checksum)
-    fixed = _FIXED.pack(*fields, _NO_MAC)
+    fmt = CODED_FORMAT_VERSION if coder.code else FORMAT_VERSION
+    extra = (coder.code, arg, 0) if coder.code else ()
+    header_len = _align_up(_FIXED[fmt].size + _HEADER_SUM.size + len(body), align)
+    fields = (MAGIC, fmt, _DTYPE_CODES[tensor.dtype], len(key_bytes), len(shape), header_len, nbytes,
+              payload_checksum)
+    fixed = _FIXED[fmt].pack(*fields, _NO_MAC, *extra)
     if mac is not None:
-        fixed = _FIXED.pack(*fields, mac.compute(fixed + body, payload))
+        fixed = _FIXED[fmt].pack(*fields, mac.compute(fixed + body, payload), *extra)
     header_sum = xxhash.xxh32_intdigest(fixed + body)
     header = fixed + _HEADER_SUM.pack(header_sum) + body
     return header + bytes(header_len - len(header))
 
 
-def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None) -> memoryview:
-    """Header + payload in one buffer (one copy of the payload; for stores that take a single value).
-    The payload is copied with `ctypes.memmove` into an uninitialised buffer, without the GIL."""
-    payload_view(tensor)  # checks the tensor
-    header = encode_header(key, tensor, mac=mac)
-    nbytes = tensor.numel() * tensor.element_size()
-    out = np.empty(len(header) + nbytes, dtype=np.uint8)
-    out[:len(header)] = np.frombuffer(header, dtype=np.uint8)
-    if nbytes:
-        ctypes.memmove(out.ctypes.data + len(header), tensor.data_ptr(), nbytes)
+def encode_parts(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None, *, coder: str = NAIVE,
+                 align: int = 1) -> Encoded:
+    """Header and payload of `tensor` under `key` with `coder` (or its fallbacks), apart: for writers that
+    send them with one `writev` (disk files, the wire). A naive payload is a view of the tensor's bytes."""
+    stored = encode_payload(tensor, coder)
+    return Encoded(encode_header(key, tensor, align=align, mac=mac, stored=stored), stored[2], stored[0].name)
+
+
+def encode(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None, *, coder: str = NAIVE) -> memoryview:
+    """Header + payload in one buffer (one copy of the payload; for stores that take a single value, e.g.
+    Redis), coded with `coder` (or its fallbacks). The payload is copied with `ctypes.memmove` into an
+    uninitialised buffer, without the GIL."""
+    parts = encode_parts(key, tensor, mac, coder=coder)
+    payload = memoryview(parts.payload).cast("B")
+    out = np.empty(len(parts.header) + payload.nbytes, dtype=np.uint8)
+    out[:len(parts.header)] = np.frombuffer(parts.header, dtype=np.uint8)
+    if payload.nbytes:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        ctypes.memmove(out.ctypes.data + len(parts.header), src.ctypes.data, payload.nbytes)
     return out.data
 
 
@@ -224,27 +284,34 @@ def parse_header(buf: ChunkBytes, expected_key: Optional[str] = None) -> ChunkHe
     view = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf
     if len(view) < FIXED_SIZE:
         raise CorruptEntry(f"{len(view)} bytes: shorter than a chunk header")
-    magic, fmt, dtype_code, key_len, ndim, header_len, payload_len, payload_sum, mac = \
-        _FIXED.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CorruptEntry("bad magic: not a stored chunk")
-    if fmt != FORMAT_VERSION:
-        raise CorruptEntry(f"stored format version {fmt}, this build reads {FORMAT_VERSION}")
+    fmt = read_format_version(view)
+    if fmt not in _FIXED:
+        raise CorruptEntry(f"bad magic or stored format version {fmt}: this build reads {READABLE_FORMATS}")
+    fixed_struct = _FIXED[fmt]
+    if len(view) < fixed_struct.size + _HEADER_SUM.size:
+        raise CorruptEntry(f"{len(view)} bytes: shorter than a chunk header")
+    magic, _, dtype_code, key_len, ndim, header_len, payload_len, payload_sum, mac, *extra = \
+        fixed_struct.unpack_from(view, 0)
+    coder_code, coder_arg, reserved = extra if extra else (0, 0, 0)
     if key_len > MAX_KEY_BYTES or ndim > MAX_NDIM or header_len > MAX_HEADER_LEN \
             or payload_len > MAX_PAYLOAD_BYTES:
         raise CorruptEntry(f"implausible header (key length {key_len}, ndim {ndim}, header length "
                            f"{header_len}, payload length {payload_len})")
-    body_end = FIXED_SIZE + key_len + 8 * ndim
+    body_start = fixed_struct.size + _HEADER_SUM.size
+    body_end = body_start + key_len + 8 * ndim
     if header_len < body_end or len(view) < body_end:
         raise CorruptEntry("truncated chunk header")
-    (header_sum,) = _HEADER_SUM.unpack_from(view, _FIXED.size)
-    body = bytes(view[FIXED_SIZE:body_end])
-    fixed = bytes(view[:_FIXED.size])
+    (header_sum,) = _HEADER_SUM.unpack_from(view, fixed_struct.size)
+    body = bytes(view[body_start:body_end])
+    fixed = bytes(view[:fixed_struct.size])
     if xxhash.xxh32_intdigest(fixed + body) != header_sum:
         raise CorruptEntry("header checksum mismatch")
     dtype = _CODE_DTYPES.get(dtype_code)
     if dtype is None:
         raise CorruptEntry(f"unknown dtype code {dtype_code}")
+    coder = BY_CODE.get(coder_code)
+    if coder is None or reserved or (fmt == CODED_FORMAT_VERSION and not coder_code):
+        raise CorruptEntry(f"unknown chunk coder {coder_code} (reserved field {reserved})")
     try:
         key = body[:key_len].decode("utf-8")
     except UnicodeDecodeError:
@@ -252,13 +319,14 @@ def parse_header(buf: ChunkBytes, expected_key: Optional[str] = None) -> ChunkHe
     if expected_key is not None and key != expected_key:
         raise CorruptEntry(f"entry holds key {key!r}, expected {expected_key!r}")
     shape = struct.unpack_from(f"<{ndim}Q", body, key_len)
-    if any(dim > MAX_DIM for dim in shape):
+    if any(dim > MAX_DIM for dim in shape) or math.prod(shape) * dtype.itemsize > MAX_PAYLOAD_BYTES:
         raise CorruptEntry(f"implausible shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if math.prod(shape) * itemsize != payload_len:
-        raise CorruptEntry(f"shape {shape} x {dtype} does not match payload length {payload_len}")
-    return ChunkHeader(key, dtype, tuple(shape), header_len, payload_len, payload_sum, mac,
-                       fixed[:_MAC_OFFSET] + _NO_MAC + body)
+    if not coder.stored_size_ok(coder_arg, tuple(shape), dtype, payload_len):
+        raise CorruptEntry(f"shape {shape} x {dtype} does not match a {coder.name} payload of {payload_len} "
+                           f"bytes (argument {coder_arg})")
+    signed = fixed[:_MAC_OFFSET] + _NO_MAC + fixed[_FIXED2.size:] + body
+    return ChunkHeader(key, dtype, tuple(shape), header_len, payload_len, payload_sum, mac, signed,
+                       coder_code, coder_arg)
 
 
 def check_size(header: ChunkHeader, size: int) -> None:
@@ -270,7 +338,7 @@ def check_size(header: ChunkHeader, size: int) -> None:
 
 
 def verify_payload(header: ChunkHeader, payload: ChunkBytes, mac: Optional[ChunkMac] = None) -> None:
-    """Checks a payload's length and checksum against its header and, with `mac`, the header's MAC."""
+    """Checks a (stored) payload's length and checksum against its header and, with `mac`, the header's MAC."""
     if len(payload) != header.payload_len:
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.payload_len}")
     if checksum(payload) != header.checksum:
@@ -280,21 +348,41 @@ def verify_payload(header: ChunkHeader, payload: ChunkBytes, mac: Optional[Chunk
         raise UnauthenticatedEntry(f"chunk {header.key!r} has no valid MAC for our secret")
 
 
+def verify_stored(header: ChunkHeader, payload: ChunkBytes) -> None:
+    """What a read checks of a payload, for tools that only inspect: checksum, and that a coded one decodes."""
+    verify_payload(header, payload)
+    if header.coded:
+        decode_stored(header, payload, torch.empty(header.shape, dtype=header.dtype))
+
+
+def decode_stored(header: ChunkHeader, stored: ChunkBytes, out: torch.Tensor) -> None:
+    """Decodes a checked coded payload into `out` (`CorruptEntry` when it does not decode)."""
+    try:
+        BY_CODE[header.coder].decode_into(stored, header.coder_arg, out)
+    except BadPayload as exc:
+        raise CorruptEntry(f"{header.coder_name} payload of {header.key!r}: {exc}") from None
+
+
 def decode_into(buf: ChunkBytes, header: ChunkHeader, out: torch.Tensor, mac: Optional[ChunkMac] = None) -> None:
-    """Copies and checks the payload of `buf` (header + payload) into the preallocated tensor `out`."""
+    """Copies (or decodes) and checks the payload of `buf` (header + payload) into the preallocated `out`."""
     view = memoryview(buf).cast("B")
     decode_payload_into(view[header.header_len:], header, out, mac)
 
 
 def decode_payload_into(payload: ChunkBytes, header: ChunkHeader, out: torch.Tensor,
                         mac: Optional[ChunkMac] = None) -> None:
-    """Copies and checks a payload that arrived apart from its header (a network frame) into `out`."""
+    """Copies (or decodes) and checks a payload that arrived apart from its header (a network frame) into
+    `out`. A naive payload is copied first and checked in place; a coded one is checked, then decoded."""
     if tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise ValueError(f"destination is {tuple(out.shape)}/{out.dtype}, chunk is "
                          f"{header.shape}/{header.dtype}")
     view = memoryview(payload).cast("B")
     if len(view) != header.payload_len:
         raise CorruptEntry(f"payload has {len(view)} bytes, header says {header.payload_len}")
+    if header.coded:
+        verify_payload(header, view, mac)
+        decode_stored(header, view, out)
+        return
     dest = payload_view(out)
     if header.payload_len:
         # numpy only supplies the source address (any buffer, read-only included); `src` keeps it alive.

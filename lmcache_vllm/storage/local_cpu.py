@@ -6,7 +6,8 @@ else references or pins). A `get` returns the object with an extra reference for
 it used. All operations are synchronous and thread-safe (the engine's thread and the manager's loop
 thread both call them); async wrappers satisfy `StorageBackend`. `on_removed(listener)`: `listener(key)` is
 called (outside the index's lock, on whichever thread removed it) for every entry that leaves: evicted,
-removed or cleared (P2P withdraws it from its directory).
+removed or cleared (P2P withdraws it from its directory); `on_evicted(listener)`: `listener(key, obj)` for an
+evicted one while its bytes are still there.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ class LocalCPUBackend(StorageBackend):
         self._index: dict[str, MemoryObj] = {}
         self._key_of: dict[int, str] = {}  # id(obj) -> key, for the eviction callback
         self._removal_listeners: list[Callable[[str], None]] = []
+        self._eviction_listeners: list[Callable[[str, MemoryObj], None]] = []
 
     def on_removed(self, listener: Callable[[str], None]) -> None:
         """`listener(key)` for every entry that leaves L1 from now on (it must not raise or block)."""
         self._removal_listeners.append(listener)
+
+    def on_evicted(self, listener: Callable[[str, MemoryObj], None]) -> None:
+        """`listener(key, obj)` when the allocator evicts an entry, on the evicting thread, before its memory is
+        freed (the compressed cold part of L1 copies it out: `local_cpu_cold.py`); it must not block."""
+        self._eviction_listeners.append(listener)
 
     def _removed(self, key: str) -> None:
         kv_events.removed(key, self.name)
@@ -130,6 +137,8 @@ class LocalCPUBackend(StorageBackend):
                 return  # already removed by remove_sync, which dropped the index's reference
             del self._index[key]
         metrics.inc("evictions", tier=self.name)
+        for listener in self._eviction_listeners:
+            listener(key, obj)
         self._removed(key)
         obj.ref_down()
 

@@ -39,7 +39,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import kv_events, logs, metrics
-from lmcache_vllm.storage import chunk_file, codec, disk_dir
+from lmcache_vllm.storage import chunk_file, codec, coders, disk_dir
 from lmcache_vllm.storage.base import StorageBackend, gather_owned
 from lmcache_vllm.storage.chunk_file import HEADER_ALIGN, SUFFIX, TMP_PREFIX, filename_for, key_from_filename
 from lmcache_vllm.storage.disk_budget import SharedDiskBudget, Usage, chunk_files_oldest_first
@@ -80,6 +80,7 @@ class LocalDiskBackend(StorageBackend):
         self.fsync = extra.disk_fsync
         self.key_filter = key_filter
         self.mac = mac  # keyed MAC of every chunk written and required of every chunk read
+        self.serde = extra.local_disk_serde  # the codec of the chunks it writes (it reads every codec)
         # Created 0700; one another user owns or others can write is refused unless `shared`.
         self.shared = extra.local_disk_shared  # others may write it: without `mac`, they can plant chunks
         disk_dir.prepare_directory(self.path, self.shared)
@@ -287,7 +288,7 @@ class LocalDiskBackend(StorageBackend):
     async def put(self, key: str, obj: MemoryObj) -> bool:
         if self._closed:
             return False
-        size = codec.header_size(key, obj.tensor.dim(), HEADER_ALIGN) + obj.nbytes
+        size = codec.header_size(key, obj.tensor.dim(), HEADER_ALIGN, coded=True) + obj.nbytes  # at most
         if not self._index.begin_write(key):
             return True  # indexed, or being written
         if size > self.max_bytes:
@@ -303,27 +304,33 @@ class LocalDiskBackend(StorageBackend):
             obj.ref_up()
             cfut = self._write_pool.submit(self._write_file, name, key, obj)
             cfut.add_done_callback(lambda _: obj.ref_down())
-            ok = await asyncio.wrap_future(cfut)
-            if ok:
-                self._index.add(key, (name, size), mine=True)
+            written = await asyncio.wrap_future(cfut)
+            ok = written is not None
+            if written is not None:
+                self._index.add(key, (name, written[0]), mine=True)
                 kv_events.stored(key, self.name)
                 metrics.inc("stored_chunks", tier=self.name)
                 metrics.inc("stored_bytes", obj.nbytes, tier=self.name)
+                metrics.inc("coded_bytes", written[1], tier=self.name, codec=written[2])
             else:
                 metrics.inc("failed_writes", tier=self.name)
             return ok
         finally:
             self._index.end_write(key)
 
-    def _write_file(self, name: str, key: str, obj: MemoryObj) -> bool:
-        # The header (with the payload checksum) is computed here, on the writer thread, so that a
-        # batch of puts does not checksum serially on the event loop.
-        header = codec.encode_header(key, obj.tensor, align=HEADER_ALIGN, mac=self.mac)
-        want_direct = self.direct_io and obj.tensor.data_ptr() % chunk_file.DIRECT_ALIGN == 0
-        size = len(header) + obj.nbytes
-        return chunk_file.write_chunk(self.path, name, f"{TMP_PREFIX}{uuid.uuid4().hex}", header,
-                                      codec.payload_view(obj.tensor), want_direct, self.fsync,
-                                      self._no_direct_io, lambda tmp, final: self._commit(tmp, final, size))
+    def _write_file(self, name: str, key: str, obj: MemoryObj) -> Optional[tuple[int, int, str]]:
+        """(file size, payload size, the codec that applied), or None when the write failed."""
+        # The payload's coding and the header (with the payload checksum) are made here, on the writer
+        # thread, so that a batch of puts neither codes nor checksums serially on the event loop.
+        parts = codec.encode_parts(key, obj.tensor, self.mac, coder=self.serde, align=HEADER_ALIGN)
+        # O_DIRECT straight from the arena (page-aligned large objects); a coded payload is a buffer of its own
+        want_direct = self.direct_io and parts.coder == coders.NAIVE and \
+            obj.tensor.data_ptr() % chunk_file.DIRECT_ALIGN == 0
+        size = parts.nbytes
+        ok = chunk_file.write_chunk(self.path, name, f"{TMP_PREFIX}{uuid.uuid4().hex}", parts.header,
+                                    parts.payload, want_direct, self.fsync, self._no_direct_io,
+                                    lambda tmp, final: self._commit(tmp, final, size))
+        return (size, size - len(parts.header), parts.coder) if ok else None
 
     def _commit(self, tmp: str, final: str, size: int) -> bool:
         """Renames a written chunk file into place, in one transaction with the evictions the shared cap

@@ -43,7 +43,7 @@ import torch
 from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import HostAllocator, MemoryObj
-from lmcache_vllm.observability import logs, metrics
+from lmcache_vllm.observability import kv_events, logs, metrics
 from lmcache_vllm.storage.base import Handoff, InstanceIdentity, StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkSpec
 from lmcache_vllm.storage.local_cpu import LocalCPUBackend
@@ -78,6 +78,9 @@ class StorageManager(LowerTierReads):
         self.allocator = allocator if allocator is not None else build_allocator(config)
         self.l1 = LocalCPUBackend(self.allocator, keep_entries=config.local_cpu)
         self.lower: list[StorageBackend] = build_lower_tiers(config, key_filter)
+        for tier in self.lower:
+            tier.attach_l1(self.l1)
+        self._write_tiers = [tier for tier in self.lower if tier.takes_writes]  # (L1's cold part: fed by evictions)
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
@@ -87,7 +90,7 @@ class StorageManager(LowerTierReads):
         self._queue: asyncio.Queue[tuple[str, MemoryObj]] = asyncio.run_coroutine_threadsafe(
             self._make_queue(), self._loop).result()
         self._writers: list[asyncio.Task[None]] = []
-        if self.lower:
+        if self._write_tiers:
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
         self._loop.call_soon_threadsafe(self._sweep_holds)
@@ -122,9 +125,9 @@ class StorageManager(LowerTierReads):
         while True:
             key, obj = await self._queue.get()
             try:
-                results = await asyncio.gather(*(self._put_timed(tier, key, obj) for tier in self.lower),
+                results = await asyncio.gather(*(self._put_timed(tier, key, obj) for tier in self._write_tiers),
                                                return_exceptions=True)
-                for tier, result in zip(self.lower, results):
+                for tier, result in zip(self._write_tiers, results):
                     if isinstance(result, BaseException):  # a refused write (False) the tier counted
                         logs.warn(logger, f"{tier.name}_put_failed", "%s put failed: %r", tier.name, result)
                         metrics.inc("failed_writes", tier=tier.name)
@@ -160,7 +163,7 @@ class StorageManager(LowerTierReads):
             k = _key_str(key)
             known = self.l1.keep_entries and self.l1.contains_sync(k)
             self.l1.put_sync(k, obj)
-            if not self.lower or (known and not self._writes.failed(k)):
+            if not self._write_tiers or (known and not self._writes.failed(k)):
                 continue  # written through when first stored (or read from below); a failed write is retried
             with self._lock:
                 if self._closed:
@@ -184,7 +187,7 @@ class StorageManager(LowerTierReads):
         """Waits until every one of `keys` is in every lower tier: the writes queued so far ended well, and
         keys with no write seen lately (stored long ago, found in L1, or dropped before any write) are
         there when the tiers are asked. False if one is not, or after `timeout` seconds."""
-        if not self.lower:
+        if not self._write_tiers:
             return True
         deadline = time.monotonic() + timeout
         ok, unseen = self._writes.wait([_key_str(k) for k in keys], timeout)
@@ -200,7 +203,7 @@ class StorageManager(LowerTierReads):
             return False
 
     async def _in_every_lower_tier(self, keys: list[str]) -> bool:
-        tiers = [tier for tier in self.lower if tier.holds_payloads]
+        tiers = [tier for tier in self._write_tiers if tier.holds_payloads]
         found = await asyncio.gather(*(tier.contains(keys) for tier in tiers), return_exceptions=True)
         return all(not isinstance(f, BaseException) and all(f) for f in found)
 
@@ -253,6 +256,24 @@ class StorageManager(LowerTierReads):
             logs.warn(logger, "storage_lookup_failed", "storage lookup failed", exc_info=True)
             metrics.inc("storage_errors", op="lookup")
         return found
+
+    def held(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Whether some tier holds each key, not only a prefix (L1, then one batched check per lower tier);
+        a lower tier that does not answer within the lookup timeout holds nothing."""
+        ks = [_key_str(k) for k in keys]
+        found = self.l1.contains_many_sync(ks)
+        rest = [k for k, hit in zip(ks, found) if not hit]
+        if not rest or not self.lower or self._closed:
+            return found
+        fut = asyncio.run_coroutine_threadsafe(self._locate(rest), self._loop)
+        try:
+            where = iter(fut.result(self.lookup_timeout))
+        except Exception as exc:
+            fut.cancel()
+            timed_out = isinstance(exc, concurrent.futures.TimeoutError)
+            metrics.inc("storage_timeouts" if timed_out else "storage_errors", op="lookup")
+            return found
+        return [hit or next(where) is not None for hit in found]
 
     def get(self, keys: Sequence[KeyLike], owner: Optional[int] = None,
             lower_tiers: bool = True, expected: Optional[Sequence[ChunkSpec]] = None) -> list[MemoryObj]:
@@ -341,6 +362,8 @@ class StorageManager(LowerTierReads):
         self._holds.release_all()
         self.l1.clear_sync()
         if not lower_tiers or self._closed or not self.lower:
+            if lower_tiers and not self.lower:
+                kv_events.cleared()  # every tier is empty (each chunk's removal was reported as well)
             return True
         # Gathered on the loop: its futures must belong to that loop.
         async def clear_lower() -> list[bool | None | BaseException]:
@@ -357,6 +380,8 @@ class StorageManager(LowerTierReads):
         failed = [t.name for t, r in zip(self.lower, results) if r is False or isinstance(r, BaseException)]
         if failed:
             logger.warning("clearing %s failed", ", ".join(failed))
+        else:
+            kv_events.cleared()
         return not failed
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -369,7 +394,7 @@ class StorageManager(LowerTierReads):
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until queued write-throughs are done (tests, benchmarks, shutdown); False on timeout."""
-        if self._closed or not self.lower:
+        if self._closed or not self._write_tiers:
             return True
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._queue.join(), timeout), self._loop)
         try:

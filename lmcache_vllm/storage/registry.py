@@ -1,6 +1,7 @@
 """Builds the configured tiers from an `LMCacheConfig`: the L1 arena, and the lower tiers in
-`LOWER_TIERS` order (L2 local disk, then L3: Redis or a Mooncake Store). A new tier is one module with a
-`StorageBackend` subclass whose `from_config` says whether the configuration enables it, plus one line in `LOWER_TIERS`.
+`LOWER_TIERS` order (L1's compressed cold part, L2 local disk, P2P, then L3: Redis or a Mooncake Store). A new
+tier is one module with a `StorageBackend` subclass whose `from_config` says whether the configuration enables
+it, plus one line in `LOWER_TIERS`.
 
 `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks: `extra_config.chunk_mac_key`,
 else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred: vLLM logs its
@@ -29,6 +30,7 @@ from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.base import StorageBackend
 from lmcache_vllm.storage.codec import ChunkMac
+from lmcache_vllm.storage.local_cpu_cold import ColdCPUBackend, cold_bytes
 from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.mooncake import MooncakeBackend
 from lmcache_vllm.storage.p2p import P2PTier
@@ -43,7 +45,8 @@ TRANSFER_PORT = "transfer port"  # a prefill instance's KV transfer server (stor
 
 # The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled (P2P's
 # write lists the chunk in its directory).
-LOWER_TIERS: tuple[type[StorageBackend], ...] = (LocalDiskBackend, P2PTier, RedisBackend, MooncakeBackend)
+LOWER_TIERS: tuple[type[StorageBackend], ...] = (ColdCPUBackend, LocalDiskBackend, P2PTier, RedisBackend,
+                                                  MooncakeBackend)
 
 
 def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:
@@ -93,7 +96,7 @@ def check_chunk_mac(config: LMCacheConfig, mac: Optional[ChunkMac], *, transfer_
 
 
 def build_allocator(config: LMCacheConfig) -> HostAllocator:
-    size_bytes = config.max_local_cpu_bytes
+    size_bytes = config.max_local_cpu_bytes - cold_bytes(config)  # (the cold part of L1 is coded apart)
     if not config.local_cpu and size_bytes <= 0:
         # No L1 cache, but transfers still need an arena to stage chunks in.
         size_bytes = int(config.extra_config.staging_buffer_size * GB)

@@ -160,18 +160,18 @@ def test_kv_events_with_vllms_mediums_reach_a_zmq_subscriber(server_a, events_en
             if sub.poll(500):
                 _, _, payload = sub.recv_multipart()
                 for event in decoder.decode(payload).events:
-                    if isinstance(event, BlockStored) and event.ownership in ("local_cpu", "local_disk"):
-                        found.setdefault(event.ownership, []).append(event)
+                    tier = {"CPU": "local_cpu", "STORAGE": "local_disk"}.get(event.medium)
+                    if isinstance(event, BlockStored) and tier and event.token_ids[:8] in (EVENTS[:8], EVENTS[256:264]):
+                        found.setdefault(tier, []).append(event)
             else:
                 post(f"{base}/v1/completions", body(tiny_model, h.random_tokens(305, 10), max_tokens=1))  # a step
     finally:
         sub.close(linger=0)
     assert all(len(found.get(t, ())) >= 2 for t in ("local_cpu", "local_disk")), (found, log)
-    assert {(e.medium, e.locality) for e in found["local_cpu"]} == {("CPU", "LOCAL")}
-    assert {(e.medium, e.locality) for e in found["local_disk"]} == {("STORAGE", "LOCAL")}
+    assert {(e.locality, e.ownership) for t in found for e in found[t]} == {("LOCAL", None)}
     first, second = found["local_cpu"][:2]
-    assert first.token_ids == EVENTS[:256] and first.parent_block_hash is None and first.block_size == 256
-    assert second.token_ids == EVENTS[256:512] and second.parent_block_hash == first.block_hashes[0]
+    assert first.token_ids == EVENTS[:256] and first.parent_block_hash is None and first.block_size == 128
+    assert second.token_ids == EVENTS[256:512] and second.parent_block_hash == first.block_hashes[-1]
 
 
 def test_max_load_tokens_zero_disables_our_load_for_one_request(server_a, reference, tiny_model):

@@ -134,39 +134,44 @@ def test_metrics_count_l1_hits_as_vllm_does(server):
 
 
 def test_kv_events_tell_a_router_what_each_tier_holds(server, events_endpoint):
+    """Our events as vLLM publishes its own (vLLM's typed decoder): per chunk one BlockStored of its vLLM blocks
+    (integer hashes, the previous block as parent, complete token ids, vLLM's block size), L1 as vLLM's CPU, the
+    disk as STORAGE (both LOCAL), the Redis pool as a REMOTE STORAGE copy owned by "redis" (docs/ROUTING.md)."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     base, model, log = server
-    tiers = ("local_cpu", "local_disk", "redis")  # our tier is in ownership; the medium is vLLM's CPU / STORAGE
+    tiers = {("CPU", "LOCAL", None): "local_cpu", ("STORAGE", "LOCAL", None): "local_disk",
+             ("STORAGE", "REMOTE", "redis"): "redis"}
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(events_endpoint)
+    prompt = h.random_tokens(45, 600)
     try:
         time.sleep(1.0)  # a subscriber only gets what is published after it joined
-        prompt = h.random_tokens(45, 600)
         _completion(base, model, prompt)
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         ours: dict[str, list] = {}
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and min(len(ours.get(t, ())) for t in tiers) < 2:
+        while time.monotonic() < deadline and min(len(ours.get(t, ())) for t in tiers.values()) < 2:
             if sub.poll(500):
                 _, _, payload = sub.recv_multipart()
                 for event in decoder.decode(payload).events:
-                    if isinstance(event, BlockStored) and event.ownership in tiers:
-                        ours.setdefault(event.ownership, []).append(event)
+                    tier = tiers.get((event.medium, event.locality, event.ownership))
+                    if isinstance(event, BlockStored) and tier and event.token_ids[:8] in (prompt[:8], prompt[256:264]):
+                        ours.setdefault(tier, []).append(event)
             else:
                 _completion(base, model, h.random_tokens(46, 10))  # a step: worker events reach vLLM
     finally:
         sub.close(linger=0)
-    assert all(len(ours.get(t, ())) >= 2 for t in tiers), (ours, log)
-    assert {(t, e.medium, e.locality) for t in tiers for e in ours[t]} == {
-        ("local_cpu", "CPU", "LOCAL"), ("local_disk", "STORAGE", "LOCAL"), ("redis", "STORAGE", "REMOTE")}
+    assert all(len(ours.get(t, ())) >= 2 for t in tiers.values()), (ours, log)
     first, second = ours["local_cpu"][:2]
-    assert first.token_ids == prompt[:256] and first.parent_block_hash is None and first.block_size == 256
-    assert second.token_ids == prompt[256:512] and second.parent_block_hash == first.block_hashes[0]
-    assert {e.block_hashes[0] for e in ours["local_disk"]} == {first.block_hashes[0], second.block_hashes[0]}
+    assert first.token_ids == prompt[:256] and first.parent_block_hash is None and first.block_size == 128
+    assert second.token_ids == prompt[256:512] and second.parent_block_hash == first.block_hashes[-1]
+    assert all(isinstance(x, int) for x in first.block_hashes + second.block_hashes) and len(first.block_hashes) == 2
+    for tier in ("local_disk", "redis"):  # the same blocks, in every tier
+        assert {x for e in ours[tier] for x in e.block_hashes} == {*first.block_hashes, *second.block_hashes}
 
 
 def test_per_request_hints_skip_save_and_pin_a_prefix(server):

@@ -42,7 +42,13 @@ from lmcache_vllm.config import LMCacheConfig, load_config
 from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
-from lmcache_vllm.integration.vllm.events import LMCacheWorkerReport, SchedulerEvents, take_worker_events, worker_report
+from lmcache_vllm.integration.vllm.events import (
+    LMCacheWorkerReport,
+    SchedulerEvents,
+    VllmBlocks,
+    take_worker_events,
+    worker_report,
+)
 from lmcache_vllm.integration.vllm.fingerprint import model_identity
 from lmcache_vllm.integration.vllm.groups import GroupPlan, SchedulerGroups, build_grouped_engine, plan_groups
 from lmcache_vllm.integration.vllm.lookup import LookupClient
@@ -172,8 +178,10 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         kv_events.RECORDER.enabled = self.config.enable_kv_events
+        # Checked in both roles: a chunk size routers cannot count in vLLM's blocks fails at start.
+        self._blocks = VllmBlocks(block_size, self.config.resolved_chunk_size) if self.config.enable_kv_events else None
         self._events = SchedulerEvents(world_size) if (
-            self.config.enable_kv_events and role == KVConnectorRole.SCHEDULER) else None
+            self._blocks is not None and role == KVConnectorRole.SCHEDULER) else None
         if role == KVConnectorRole.SCHEDULER:
             client = LookupClient(sizes.lookup_addresses(instance_id), timeout_ms=self.config.lookup_timeout_ms)
             pd = PDScheduler(engine_id=instance_id, host=advertised_host(self.config.extra_config.pd_host),
@@ -320,7 +328,7 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # The worker metadata, not get_kv_connector_kv_cache_events: MultiConnector forwards only this.
         if self._worker is None:
             return None
-        events = take_worker_events(self.config.resolved_chunk_size) if self.config.enable_kv_events else []
+        events = take_worker_events(self._blocks) if self._blocks is not None else []
         return worker_report(events, self._worker.hold_report())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:

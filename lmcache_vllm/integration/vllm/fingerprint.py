@@ -9,11 +9,10 @@ first 16 bytes (hex) of sha256 over the canonical JSON of ("model-fingerprint/v1
 - revision, dtype, quantization method, load format (and the seed for dummy weights);
 - KV cache dtype, the layers it skips, and every attention layer's static K/V scales when the KV cache
   is quantized (fp8);
-- a weights signature: per weight file (`*.safetensors`, `*.bin`, `*.pt`, `*.pth`, `*.gguf`) its name,
-  size and an xxh3_128 of 8 sampled 64 KiB blocks (the first holds a safetensors header: every tensor's
-  name, dtype, shape and offset). It notices replaced files, other shapes and most re-trainings; it
-  cannot see a change of weights that keeps every file's size and leaves all sampled blocks alone
-  (e.g. a few tensors fine-tuned in place) — set `extra_config.cache_namespace` then;
+- a weights signature (`lmcache_vllm/identity.py`, shared with the SGLang integration): per weight file its
+  name, size and an xxh3_128 of 8 sampled 64 KiB blocks. It cannot see a change of weights that keeps every
+  file's size and leaves all sampled blocks alone (e.g. a few tensors fine-tuned in place) — set
+  `extra_config.cache_namespace` then;
 - `extra_config.cache_namespace`, the user's name for whatever else we cannot see;
 - the id of the chunk MAC secret, when one is set (`storage.registry.chunk_mac`): servers with another
   secret (or none) never look up, and so never delete as unauthenticated, each other's chunks.
@@ -21,16 +20,12 @@ The readable name is the HF `model_type` ("llama"), prefixed by the namespace wh
 """
 from __future__ import annotations
 
-import enum
-import glob
 import hashlib
-import json
 import logging
-import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import xxhash
+from lmcache_vllm.identity import ModelIdentity, canonical_json, weight_files, weights_signature
+from lmcache_vllm.identity import plain as _plain
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,72 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_SCHEME = "model-fingerprint/v1"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLE_BLOCKS = 8
-SAMPLE_BYTES = 64 << 10
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """`name` (readable) and `fingerprint` (hex) as they go into keys; `inputs` is what was hashed."""
-
-    name: str
-    fingerprint: str
-    inputs: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-def _plain(value: Any) -> Any:
-    """JSON-able, deterministic form: no addresses, no set order, no path-like bookkeeping keys."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()
-                if not str(k).startswith("_") and k != "transformers_version"}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((_plain(v) for v in value), key=repr)
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if hasattr(value, "to_dict"):
-        return _plain(value.to_dict())
-    text = str(value)
-    return type(value).__qualname__ if " at 0x" in text else text  # e.g. torch.bfloat16 -> "torch.bfloat16"
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"))
-
-
-def weight_files(model: str, revision: str | None = None) -> list[str]:
-    """The weight files of `model` on this host: a local directory or file, else the local hub cache
-    (never downloads); [] when none are found."""
-    path = os.path.expanduser(model)
-    if not os.path.exists(path):
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(repo_id=model, revision=revision, local_files_only=True)
-        except Exception:
-            return []
-    if os.path.isfile(path):
-        return [path]
-    return sorted(f for suffix in WEIGHT_SUFFIXES for f in glob.glob(os.path.join(path, f"*{suffix}")))
-
-
-def weights_signature(files: list[str]) -> list[list[Any]]:
-    """[name, size, xxh3_128 of sampled blocks] per file (see the module docstring for its limits)."""
-    out = []
-    for file in files:
-        size = os.path.getsize(file)
-        last = max(0, size - SAMPLE_BYTES)
-        offsets = sorted({last * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)})
-        sampled = xxhash.xxh3_128()
-        with open(file, "rb") as f:
-            for offset in offsets:
-                sampled.update(os.pread(f.fileno(), SAMPLE_BYTES, offset))
-        out.append([os.path.basename(file), size, sampled.hexdigest()])
-    return out
 
 
 def _kv_scales(vllm_config: "VllmConfig") -> list[list[Any]]:

@@ -9,7 +9,7 @@ CPUs, while the forward computes the earlier layers. The step waits only for a l
 
 Used only where it cannot take the forward's own time: the thread runs on the background CPUs
 (`cpu_affinity`), so `extra_config.overlap_loads: auto` turns it on when the step thread can run elsewhere
-(`overlap_wanted`). Its parallel torch ops run on it alone (`threads.single_threaded_torch`).
+(`overlap_wanted`). Its parallel torch ops run on it alone (`cpu_affinity.single_threaded_torch`).
 
 Every wait is bounded by the load timeout. A layer copy that fails drops that request's load at that layer
 (reported to the caller with the layer, as the inline layerwise path does). Should a wait time out, the thread
@@ -26,9 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from lmcache_vllm.cpu_affinity import background_cpus, enter_background_cpus
+from lmcache_vllm.cpu_affinity import background_cpus, enter_background_cpus, single_threaded_torch
 from lmcache_vllm.integration.vllm.layerwise import LayerGenerator, LayerSteps
-from lmcache_vllm.integration.vllm.threads import single_threaded_torch
 from lmcache_vllm.observability import metrics
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,12 @@ A phase with "wait_for_file": PATH first creates PATH + ".ready" and waits (at m
 exists: a test does something to the world at that point of the run (e.g. kills a Redis node), then
 creates PATH.
 
+A phase with "flush_writes": true first waits (at most 60 s) until the connector's queued writes to its
+lower tiers are done: a phase after it reads from disk or Redis what the phases before it stored.
+
+A phase with "logprobs": K also returns, per prompt and generated token, the log-probabilities of the K most
+likely tokens (-1: the whole vocabulary; needs "max_logprobs": -1 in llm_kwargs) as {token id: logprob}.
+
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
 phase its wall time and process CPU time, under `kv_cache` whether vLLM kept its hybrid KV cache manager
@@ -50,6 +56,24 @@ def _first_token_latency(output) -> float | None:
     """vLLM's own time-to-first-token of a request (needs `disable_log_stats=False`), else None."""
     latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
     return float(latency) if latency else None
+
+
+def _flush_writes(timeout_s: float = 60.0) -> None:
+    """Waits until the connector's background saves and its queued lower-tier writes are done."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    if worker is None or worker.engine is None:
+        raise RuntimeError("flush_writes: no connector worker in this process (an in-process engine is needed)")
+    worker.drain_saves()
+    if not worker.engine.storage.flush(timeout_s):  # (a grouped engine's groups share one storage)
+        raise RuntimeError(f"flush_writes: writes still queued after {timeout_s:.0f}s")
+
+
+def _logprobs(output) -> list[dict[str, float]]:
+    """Per generated token, {token id: logprob} of the tokens vLLM returned."""
+    return [{str(token): float(lp.logprob) for token, lp in position.items()}
+            for position in output.outputs[0].logprobs or []]
 
 
 def _prompt(prompt, llm):
@@ -103,8 +127,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     for phase in job["phases"]:
         if phase.get("wait_for_file"):
             _wait_for_file(phase["wait_for_file"])
+        if phase.get("flush_writes"):
+            _flush_writes()
+        logprobs = phase.get("logprobs")
         params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
-                                ignore_eos=True)
+                                ignore_eos=True, logprobs=None if logprobs is None else int(logprobs))
         prompts = [_prompt(p, llm) for p in phase["prompts"]]
         t0, cpu0 = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -115,7 +142,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "cpu_s": time.process_time() - cpu0,  # all threads of this process
             "results": [{"tokens": list(o.outputs[0].token_ids),
                          "num_cached_tokens": int(o.num_cached_tokens or 0),
-                         "ttft_s": _first_token_latency(o)} for o in outputs],
+                         "ttft_s": _first_token_latency(o),
+                         **({"logprobs": _logprobs(o)} if logprobs is not None else {})} for o in outputs],
         })
     result = {"startup_s": startup_s, "phases": phases, "kv_cache": _kv_cache(llm), "stats": _connector_stats()}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a

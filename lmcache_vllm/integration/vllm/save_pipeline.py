@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from lmcache_vllm.cpu_affinity import enter_background_cpus
+from lmcache_vllm.cpu_affinity import enter_background_cpus, single_threaded_torch
 from lmcache_vllm.integration.vllm.groups import save_parts
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps, run_to_end
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, SaveSpec, slot_mapping_for
 from lmcache_vllm.integration.vllm.saves import SaveQueue
-from lmcache_vllm.integration.vllm.threads import single_threaded_torch
 from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:  # built in the worker only, after vLLM's API server imported us

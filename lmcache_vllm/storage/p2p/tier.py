@@ -123,6 +123,7 @@ class P2PTier(StorageBackend):
         self.server: Optional[TransferServer] = None
         self._l1: Optional[LocalCPUBackend] = None
         self.serve_disk = extra.p2p_serve_disk
+        self.serde = extra.transfer_serde  # the codec of the chunks it serves (it reads every codec)
         self.promotes = extra.p2p_keep_pulled
         self._disk: Optional[LocalDiskBackend] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -142,7 +143,8 @@ class P2PTier(StorageBackend):
         if self.serve_disk:
             self._disk = next((t for t in tiers if isinstance(t, LocalDiskBackend)), None)
         keyed = KeyedChunks(self._chunk_for_peer, mac=self.mac, trusted=self.trust,
-                            on_missing=self.adverts.discard_many, send_lease_s=self.pull_timeout_s)
+                            on_missing=self.adverts.discard_many, send_lease_s=self.pull_timeout_s,
+                            serde=self.serde)
         port = 0
         if self.ports:
             rank = identity.tp_rank

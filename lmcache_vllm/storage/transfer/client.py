@@ -19,6 +19,7 @@ is escaped before it is logged (`logs.peer_text`); metrics are labelled with the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import socket
@@ -109,6 +110,13 @@ _RELEASES = _Releases()
 def send_release(source: PeerSource, mac: Optional[ChunkMac] = None) -> None:
     """Tells a prefill instance it may drop its hold for `source.req_id`, without waiting for it."""
     _RELEASES.put(source, mac)
+
+
+def _release_when_done(obj: MemoryObj, fut: asyncio.Future[None]) -> None:
+    """Done callback: a decode thread finished with `obj` (its error is nobody's to handle any more)."""
+    if not fut.cancelled():
+        fut.exception()
+    obj.ref_down()
 
 
 class _Connection:
@@ -205,6 +213,7 @@ class PeerTier(StorageBackend):
         sock.setblocking(False)
         conn = _Connection(sock, self.timeout_s)
         connected = cancelled = False
+        decodes: list[tuple[int, asyncio.Future[None]]] = []  # coded chunks decoding while the next ones arrive
         try:
             tune(sock)
             async with asyncio.timeout(self.timeout_s):
@@ -226,7 +235,7 @@ class PeerTier(StorageBackend):
                     break
                 if received >= len(keys):
                     raise wire.PeerProtocolError(f"more chunks than the {len(keys)} asked for")
-                obj = await self._receive_chunk(conn, reply, payload_len, received, keys[received], alloc)
+                obj = await self._receive_chunk(conn, reply, payload_len, received, keys[received], alloc, decodes)
                 if obj is None:
                     reason = "no_memory"
                     metrics.inc("read_alloc_failures", tier=self.name)
@@ -235,6 +244,7 @@ class PeerTier(StorageBackend):
                 received += 1
                 metrics.inc(f"{self.metric_prefix}_pulled_chunks", peer=label)
                 metrics.inc(f"{self.metric_prefix}_pulled_bytes", obj.nbytes, peer=label)
+            await self._decoded(decodes, out)
         except TimeoutError:  # asyncio.TimeoutError is TimeoutError (3.11)
             reason = "timeout"
             logs.warn(logger, "pd_pull_timeout", "prefill instance %s silent for %.1fs while request %s pulled "
@@ -251,10 +261,18 @@ class PeerTier(StorageBackend):
                       "%d of %d chunks (%s); the rest is recomputed", where, req_id, received,
                       len(keys), exc)
         except asyncio.CancelledError:
-            release_objs(out)  # the caller gave up (request aborted, load timed out): nothing is returned
+            self._release_after_decodes(decodes, out)  # the caller gave up: nothing is returned
             cancelled = True
             raise
         finally:
+            if decodes and not cancelled:  # a pull that failed midway: the chunks decoding still count
+                try:
+                    await self._decoded(decodes, out)
+                except CorruptEntry:
+                    reason = reason or "corrupt"
+                except asyncio.CancelledError:
+                    self._release_after_decodes(decodes, out)
+                    raise
             sock.close()
             if (connected or cancelled) and self._releases():  # (cancelled before it connected too)
                 send_release(self.source, self.mac)
@@ -264,8 +282,55 @@ class PeerTier(StorageBackend):
                 metrics.inc(f"{self.metric_prefix}_pull_failures", reason=reason)
         return out
 
+    async def _decoded(self, decodes: list[tuple[int, asyncio.Future[None]]], out: list[Optional[MemoryObj]]) -> None:
+        """Waits for the coded chunks still decoding. From the first that does not decode on, the chunks are
+        released and None (what comes before stays a usable prefix), and its `CorruptEntry` goes up."""
+        first_bad, error = len(out), None
+        for index, fut in decodes:
+            try:
+                await asyncio.shield(fut)
+            except CorruptEntry as exc:
+                if error is None:
+                    first_bad, error = index, exc
+        decodes.clear()
+        if error is None:
+            return
+        release_objs(obj for obj in out[first_bad:] if obj is not None)
+        out[first_bad:] = [None] * (len(out) - first_bad)
+        raise error
+
+    @staticmethod
+    def _release_after_decodes(decodes: list[tuple[int, asyncio.Future[None]]], out: list[Optional[MemoryObj]]) -> None:
+        """Releases every chunk of a cancelled pull; one still decoding once its thread is done with it."""
+        decoding = {index: fut for index, fut in decodes}
+        for index, obj in enumerate(out):
+            if obj is None:
+                continue
+            fut = decoding.get(index)
+            if fut is not None and not fut.done():
+                fut.add_done_callback(functools.partial(_release_when_done, obj))
+            else:
+                obj.ref_down()
+            out[index] = None
+
+    async def _receive_coded(self, conn: _Connection, header: codec.ChunkHeader, obj: MemoryObj,
+                             index: int, decodes: list[tuple[int, asyncio.Future[None]]]) -> MemoryObj:
+        """A coded payload received into a buffer of its own (its length bounded by the chunk: the header was
+        checked), then checked and decoded into `obj` on a worker thread while the next chunk arrives (the
+        pull waits for `decodes` before it returns)."""
+        try:
+            stored = codec.payload_buffer(header.payload_len)
+            await conn.read_into(stored)
+        except BaseException:
+            obj.ref_down()
+            raise
+        decodes.append((index, asyncio.get_running_loop().run_in_executor(
+            None, codec.decode_payload_into, stored, header, obj.tensor, self.mac)))
+        return obj
+
     async def _receive_chunk(self, conn: _Connection, reply: wire.PeerReply, payload_len: int, index: int,
-                             key: str, alloc: AllocFn) -> Optional[MemoryObj]:
+                             key: str, alloc: AllocFn, decodes: list[tuple[int, asyncio.Future[None]]]
+                             ) -> Optional[MemoryObj]:
         """The chunk of a CHUNK reply whose payload is still on the stream: its header checked (index, this
         instance's key, shape against the payload's length), the payload received into memory from `alloc`
         and checked (checksum, MAC). None without memory (the stream is then left mid-message: the caller
@@ -274,6 +339,8 @@ class PeerTier(StorageBackend):
         obj = codec.allocate(header, alloc)  # the peer's header alone allocates nothing but the expected chunk
         if obj is None:
             return None
+        if header.coded:
+            return await self._receive_coded(conn, header, obj, index, decodes)
         try:
             view = codec.payload_view(obj.tensor)
             await conn.read_into(view)

@@ -3,9 +3,9 @@
 A hold is registered (`expect`) in the step that completes a request's prompt, before vLLM can answer the
 request, and filled (`fill`) once the request's saves are over: a reference on each L1 chunk of the prompt,
 so the allocator cannot evict them, and each chunk's wire header (a checksum pass, made here so that a pull
-only sends). It ends on the decode instance's RELEASE (`release`), when the request was aborted (`release`
-too), or `lease_s` after it was registered (`expire`): memory is never held for a decode instance that
-never comes.
+only sends; a chunk sent coded, `serde`: `transfer/serde.py`, is coded here too, its payload kept beside the
+hold). It ends on the decode instance's RELEASE (`release`), when the request was aborted (`release` too), or
+`lease_s` after it was registered (`expire`): memory is never held for a decode instance that never comes.
 
 The bytes held at once are capped (`max_bytes`, `extra_config.pd_max_held_bytes`; `max_held_bytes` gives
 the default): a request that would go over it is not held — registered as refused (`HoldState.FULL`), so
@@ -34,8 +34,9 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.base import release_objs
-from lmcache_vllm.storage.codec import ChunkMac
-from lmcache_vllm.storage.transfer.wire import chunk_header
+from lmcache_vllm.storage.codec import ChunkBytes, ChunkMac
+from lmcache_vllm.storage.transfer.serde import wire_coder
+from lmcache_vllm.storage.transfer.wire import chunk_parts
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Hold:
     keys: Optional[list[str]] = None
     objs: list[MemoryObj] = field(default_factory=list)
     headers: list[bytes] = field(default_factory=list)  # each chunk's wire header
+    payloads: list[Optional[ChunkBytes]] = field(default_factory=list)  # coded payloads (None: the tensor's)
     nbytes: int = 0
 
     @property
@@ -105,14 +107,16 @@ class Checkout:
     keys: tuple[str, ...] = ()  # READY: their keys
     first_held_key: str = ""  # READY: the hold's first key (to say what differs, never sent)
     expires_in: float = 0.0  # READY: seconds left of the hold's lease
+    payloads: tuple[Optional[ChunkBytes], ...] = ()  # READY: coded payloads (None or missing: the tensor's bytes)
 
 
 class PeerHolds:
     """See the module docstring. `max_bytes`: the cap on held bytes (0: none); `mac`: the secret the
-    chunks' wire headers are signed with; `clock` is for tests."""
+    chunks' wire headers are signed with; `serde`: their codec (`extra_config.transfer_serde`); `clock` is
+    for tests."""
 
     def __init__(self, lease_s: float, *, max_bytes: int = 0, mac: Optional[ChunkMac] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 serde: str = "naive", clock: Callable[[], float] = time.monotonic):
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         if max_bytes < 0:
@@ -120,6 +124,7 @@ class PeerHolds:
         self.lease_s = float(lease_s)
         self.max_bytes = int(max_bytes)
         self.mac = mac
+        self.serde = serde
         self._clock = clock
         self._lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
@@ -156,14 +161,16 @@ class PeerHolds:
         try:
             if len(keys) != len(objs):
                 raise ValueError(f"{len(keys)} keys but {len(objs)} chunks")
-            headers = [chunk_header(key, obj.tensor, self.mac) for key, obj in zip(keys, objs)]
+            coder = wire_coder(self.serde)  # one codec for the request's chunks
+            parts = [chunk_parts(key, obj.tensor, self.mac, coder) for key, obj in zip(keys, objs)]
         except BaseException:
             release_objs(objs)
             self._settle(req_id, [], [], [])
             raise
-        return self._settle(req_id, keys, objs, headers)
+        return self._settle(req_id, keys, objs, parts)
 
-    def _settle(self, req_id: str, keys: Sequence[str], objs: Sequence[MemoryObj], headers: list[bytes]) -> bool:
+    def _settle(self, req_id: str, keys: Sequence[str], objs: Sequence[MemoryObj],
+                parts: list[tuple[bytes, Optional[ChunkBytes]]]) -> bool:
         nbytes = sum(obj.nbytes for obj in objs)
         filled = full = False
         with self._lock:
@@ -174,7 +181,8 @@ class PeerHolds:
                     self._remember(req_id, HoldState.FULL)
                     full = True
                 else:
-                    hold.keys, hold.objs, hold.headers, hold.nbytes = list(keys), list(objs), headers, nbytes
+                    hold.keys, hold.objs, hold.nbytes = list(keys), list(objs), nbytes
+                    hold.headers, hold.payloads = [h for h, _ in parts], [p for _, p in parts]
                     self._held_bytes += nbytes
                     filled = True
             held = self._held_bytes
@@ -209,7 +217,7 @@ class PeerHolds:
                 obj.ref_up()
             return Checkout(HoldState.READY, objs, tuple(hold.headers[i] for i in indexes),
                             tuple(held_keys[i] for i in indexes), held_keys[0] if held_keys else "",
-                            hold.deadline - self._clock())
+                            hold.deadline - self._clock(), payloads=tuple(hold.payloads[i] for i in indexes))
 
     def sent(self, objs: Sequence[MemoryObj]) -> None:
         """Hands back checked-out chunks (their sends are over or cut off)."""

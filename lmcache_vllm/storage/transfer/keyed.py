@@ -5,7 +5,9 @@ of `keys` this instance holds: the pin that keeps L1 from evicting a chunk while
 pins last for the send only (the server hands them back once its sends returned, or the peer was dropped after
 the server's I/O timeout, `extra_config.p2p_pull_timeout_secs`): a short lease, never a hold. Each chunk's wire
 header (a checksum pass, and the MAC with a secret) is made on its first send and kept while the chunk stays
-in L1 (`forget` drops it; bounded by `max_headers`).
+in L1 (`forget` drops it; bounded by `max_headers`). A chunk sent coded (`serde`, `transfer/serde.py`) is coded
+for each send on the server's thread, header and payload, and nothing of it is kept (a kept copy of every
+served chunk would double L1).
 
 Who is served: with a MAC secret, every peer (the server has checked the request's MAC: only holders of the
 secret ask, and they verify every chunk); without one, `trusted(host)` peers only (loopback and
@@ -21,9 +23,11 @@ from typing import Callable, Iterable, Optional
 
 from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import logs, metrics
-from lmcache_vllm.storage.codec import ChunkMac
+from lmcache_vllm.storage.codec import ChunkBytes, ChunkMac
+from lmcache_vllm.storage.coders import NAIVE
 from lmcache_vllm.storage.transfer.holds import Checkout, HoldState
-from lmcache_vllm.storage.transfer.wire import chunk_header
+from lmcache_vllm.storage.transfer.serde import wire_coder
+from lmcache_vllm.storage.transfer.wire import chunk_header, chunk_parts
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +39,9 @@ class KeyedChunks:
 
     def __init__(self, get: GetFn, *, mac: Optional[ChunkMac], trusted: Callable[[str], bool],
                  on_missing: Callable[[list[str]], None] = lambda keys: None, max_headers: int = 16384,
-                 send_lease_s: float = 30.0):
+                 send_lease_s: float = 30.0, serde: str = NAIVE):
         self._get = get
+        self.serde = serde
         self.send_lease_s = float(send_lease_s)
         self.mac = mac
         self._trusted = trusted
@@ -65,14 +70,18 @@ class KeyedChunks:
             objs.append(obj)
             found.append(key)
         try:
-            headers = tuple(self._header(key, obj) for key, obj in zip(found, objs))
+            coder = wire_coder(self.serde)
+            parts = [(self._header(key, obj), None) if coder == NAIVE else chunk_parts(key, obj.tensor, self.mac, coder)
+                     for key, obj in zip(found, objs)]
         except BaseException:
             for obj in objs:
                 obj.ref_down()
             raise
         metrics.inc("p2p_served_chunks", len(objs))
         metrics.inc("p2p_served_bytes", sum(obj.nbytes for obj in objs))
-        return Checkout(HoldState.READY, objs, headers=headers, keys=tuple(found), expires_in=self.send_lease_s)
+        payloads: tuple[Optional[ChunkBytes], ...] = tuple(p for _, p in parts)
+        return Checkout(HoldState.READY, objs, headers=tuple(h for h, _ in parts), payloads=payloads,
+                        keys=tuple(found), expires_in=self.send_lease_s)
 
     def _header(self, key: str, obj: MemoryObj) -> bytes:
         with self._lock:

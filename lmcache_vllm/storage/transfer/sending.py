@@ -2,7 +2,8 @@
 `holds.Checkout`, each as a CHUNK message straight from the L1 arena, then END (`send_chunks`); or one reply
 alone (`send_reply`). Every send is bounded by the server's I/O timeout, and the chunks' sends by the hold's
 lease: a peer reading slowly is cut off when the lease ends, so nothing stays pinned past it. The chunks'
-references go back (`release`) as soon as their bytes are in the kernel's buffers, or the send failed.
+references go back (`release`) as soon as their bytes are in the kernel's buffers, or the send failed. The rate
+a pull's sends reached feeds `serde.LINK` (what `transfer_serde: auto` decides by).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.transfer import wire
 from lmcache_vllm.storage.transfer.holds import Checkout
+from lmcache_vllm.storage.transfer.serde import LINK
 from lmcache_vllm.storage.transfer.sockets import LeaseOver, send_message
 
 if TYPE_CHECKING:
@@ -28,13 +30,17 @@ def send_chunks(sock: socket.socket, peer: str, request: wire.PeerRequest, check
     lease's end, stalled for `io_timeout_s`, or gone)."""
     objs: list[MemoryObj] = checkout.objs
     deadline = time.monotonic() + checkout.expires_in
-    sent_bytes = sent = 0
+    sent_bytes = sent = wire_bytes = 0
+    payloads = checkout.payloads or (None,) * len(objs)
+    start = time.monotonic()
     try:
-        for index, (obj, key, header) in enumerate(zip(objs, checkout.keys, checkout.headers)):
-            send_message(sock, wire.chunk_reply(index, key, obj.tensor, header=header), deadline=deadline,
-                         io_timeout_s=io_timeout_s)
+        for index, (obj, key, header, payload) in enumerate(zip(objs, checkout.keys, checkout.headers, payloads)):
+            message = wire.chunk_reply(index, key, obj.tensor, header=header, payload=payload)
+            send_message(sock, message, deadline=deadline, io_timeout_s=io_timeout_s)
             sent_bytes += obj.nbytes
+            wire_bytes += memoryview(message[-1]).nbytes
             sent += 1
+        LINK.observe(wire_bytes, time.monotonic() - start)
         release(objs)  # every byte is in the kernel's buffers: the chunks may go
         objs = []
         send_message(sock, wire.end_reply(sent), io_timeout_s=io_timeout_s)

@@ -31,7 +31,8 @@ only peers that share the secret, RELEASE included.
 
 Replies to a PULL (P -> D, on the same connection), in this order:
 
-    [PROTOCOL, b"CHUNK", index u32 LE, codec header, payload]   one per key, from key 0, no gap
+    [PROTOCOL, b"CHUNK", index u32 LE, codec header, payload]   one per key, from key 0, no gap (the payload
+                                                                as the header's codec stored it)
     [PROTOCOL, b"END",   count u32 LE]                          no more chunks: `count` were sent
     [PROTOCOL, b"ERR",   code (ASCII), detail (UTF-8)]           none (more) will come; see `ERRORS`
 
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from lmcache_vllm.storage import codec
+from lmcache_vllm.storage import codec, coders
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
 
 if TYPE_CHECKING:  # the API server imports this through pd/params.py: it must not load the cache's memory
@@ -326,12 +327,23 @@ def chunk_header(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None)
     return codec.encode_header(key, tensor, mac=mac)
 
 
+def chunk_parts(key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None, coder: str = coders.NAIVE
+                ) -> tuple[bytes, Optional[codec.ChunkBytes]]:
+    """(header, coded payload) of a chunk sent with `coder` (or its fallbacks): the payload None when naive
+    (the tensor's bytes are sent as they are: `chunk_reply`). Made where nothing waits for it (a hold's fill)."""
+    parts = codec.encode_parts(key, tensor, mac, coder=coder)
+    return parts.header, (parts.payload if parts.coder != coders.NAIVE else None)
+
+
 def chunk_reply(index: int, key: str, tensor: torch.Tensor, mac: Optional[ChunkMac] = None,
-                header: Optional[bytes] = None) -> list[bytes | memoryview]:
-    """The CHUNK message of one held chunk; its last frame is a zero-copy view of the tensor's bytes."""
+                header: Optional[bytes] = None, payload: Optional[codec.ChunkBytes] = None
+                ) -> list[bytes | memoryview]:
+    """The CHUNK message of one held chunk; its last frame is a zero-copy view of the tensor's bytes, or the
+    coded `payload` its `header` was made for."""
     if header is None:
         header = chunk_header(key, tensor, mac)
-    return [PROTOCOL, CHUNK, _U32.pack(index), header, codec.payload_view(tensor)]
+    body = memoryview(payload).cast("B") if payload is not None else codec.payload_view(tensor)
+    return [PROTOCOL, CHUNK, _U32.pack(index), header, body]
 
 
 def end_reply(count: int) -> list[bytes]:
@@ -395,4 +407,4 @@ __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "PULL", "RELEASE", "FETCH", "CHUNK", 
            "REQUEST_BOUNDS", "REQUEST_PREFIX", "COUNT_BYTES", "frame", "frame_bytes", "part_count", "parse_lengths",
            "PeerProtocolError", "PeerRequest", "PeerReply", "CorruptEntry", "RequestReader", "request_lengths",
            "split_keys", "encode_request", "parse_request", "verify_request", "key_mismatch", "chunk_header",
-           "chunk_reply", "end_reply", "error_reply", "parse_reply", "check_chunk", "decode_chunk"]
+           "chunk_parts", "chunk_reply", "end_reply", "error_reply", "parse_reply", "check_chunk", "decode_chunk"]

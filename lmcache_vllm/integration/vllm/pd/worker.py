@@ -50,7 +50,7 @@ class PeerTransfer:
         self._cap_tokens = 0  # the cap on held bytes in tokens of this rank's KV (0: none), for `report`
         if serve:
             self.holds = PeerHolds(extra.pd_hold_secs, mac=mac, max_bytes=max_held_bytes(
-                extra.pd_max_held_bytes, engine.storage.allocator.capacity))
+                extra.pd_max_held_bytes, engine.storage.allocator.capacity), serde=extra.transfer_serde)
             if self.holds.max_bytes > 0:
                 layout, chunk = engine.layout, engine.keys.chunk_size
                 chunk_bytes = math.prod(layout.chunk_shape(chunk)) * layout.geometry.dtype.itemsize

@@ -132,10 +132,16 @@ def serve(model: str, args: list[str], log_dir: Path, env: dict[str, str],
         _wait_healthy(base, proc, log, timeout_s)
         yield base, log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # the server's own session, started above
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        stop_group(proc, signal.SIGINT)
+
+
+def stop_group(proc: subprocess.Popen, sig: int, timeout_s: float = 30) -> None:
+    """Stops a child started in its own session (`start_new_session=True`) with its whole process group: `sig`,
+    then SIGKILL if it is still there after `timeout_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
