@@ -104,16 +104,17 @@ def directory_entries(url: str, prefix: str) -> int:
         client.close()
 
 
-def serving_run(name: str, tmp: Path, model: str, kv_config: dict, workload: list[str], cores: list[int],
+def serving_run(name: str, tmp: Path, model: str, kv_config, workload: list[str], cores: list[int],
                 max_model_len: int, measure_redis=None) -> dict:
-    """Two instances with `kv_config` behind the proxy, the load through it: one row (with `measure_redis()`'s
-    figures, taken after the load while the instances still run)."""
+    """Two instances with `kv_config` (a dict, or one per instance: `kv_config(i)`) behind the proxy, the load
+    through it: one row (with `measure_redis()`'s figures, taken after the load while the instances still run)."""
     print(f"\n-- {name}: starting two servers", flush=True)
     with ExitStack() as stack:
         bases = []
         for i in range(2):
             env = vllm_env(tmp / f"{name}{i}", multiprocessing=True, threads_bind=str(cores[i % len(cores)]))
-            args = server_args(max_model_len, kv_config, prefix_caching=False)
+            args = server_args(max_model_len, kv_config(i) if callable(kv_config) else kv_config,
+                               prefix_caching=False)
             base, _log = stack.enter_context(serve(model, args, tmp, env, timeout_s=900))
             post(f"{base}/v1/completions", {"model": model, "prompt": "warm-up", "max_tokens": 2}, timeout=600)
             bases.append(base)
@@ -161,11 +162,15 @@ def serving(quick: bool, tmp: Path, redis_url: str, l1_fraction: float) -> dict:
     l1_gb = l1_fraction * working_set / (1 << 30)
     cores = sorted(os.sched_getaffinity(0))
     redis_prefix, p2p_prefix = f"bench-p2p-r-{uuid.uuid4().hex[:6]}:", f"bench-p2p-d-{uuid.uuid4().hex[:6]}:"
+    p2p_ports = [free_port(), free_port()]
     plan = {"none": connector(l1_gb, {}),
             "redis": connector(l1_gb, {"remote_url": redis_url, "extra_config": {"remote_key_prefix": redis_prefix}}),
-            "p2p": connector(l1_gb, {"enable_p2p": True, "p2p_host": "127.0.0.1",
-                                     "extra_config": {"p2p_directory_url": redis_url,
-                                                      "remote_key_prefix": p2p_prefix}})}
+            # each instance's transfer port, and the peers trusted without a key: both (and nothing else)
+            "p2p": lambda i: connector(l1_gb, {"enable_p2p": True, "p2p_host": "127.0.0.1",
+                                               "p2p_init_ports": [p2p_ports[i]],
+                                               "extra_config": {"p2p_directory_url": redis_url,
+                                                                "remote_key_prefix": p2p_prefix,
+                                                                "pd_peers": [f"127.0.0.1:{p}" for p in p2p_ports]}})}
     def payloads() -> dict:
         keys, used = redis_memory(redis_url, f"{redis_prefix}*")
         return {"redis_keys": keys, "redis_bytes": used}
@@ -189,9 +194,11 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.storage.base import InstanceIdentity
 from lmcache_vllm.storage.manager import StorageManager
 url, prefix, n, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), tuple(int(x) for x in sys.argv[4].split(","))
+port = int(sys.argv[6])
 nbytes = n * torch.Size(shape).numel() * 2
 cfg = LMCacheConfig(max_local_cpu_size=(nbytes * 1.3 + (64 << 20)) / (1 << 30), enable_p2p=True, p2p_host="127.0.0.1",
-                    extra_config={"p2p_directory_url": url, "remote_key_prefix": prefix})
+                    p2p_init_ports=[port], extra_config={"p2p_directory_url": url, "remote_key_prefix": prefix,
+                                                         "pd_peers": [f"127.0.0.1:{port}"]})
 mgr = StorageManager(cfg)
 mgr.attach_instance(InstanceIdentity("serving-child"))
 objs = []
@@ -219,8 +226,9 @@ def transfer(quick: bool, redis_url: str) -> dict:
     n, repeats = (12, 3) if quick else (64, 7)
     prefix = f"bench-p2p-t-{uuid.uuid4().hex[:6]}:"
     nbytes = n * torch.Size(CHUNK_SHAPE).numel() * 2
+    port = free_port()  # the child's transfer port, the one peer this side trusts without a key
     child = subprocess.Popen([sys.executable, "-c", _CHILD, redis_url, prefix, str(n), ",".join(map(str, CHUNK_SHAPE)),
-                              _common.REPO_ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              _common.REPO_ROOT, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         raw_port = int(child.stdout.readline())
         time.sleep(0.5)  # its entries written
@@ -229,7 +237,8 @@ def transfer(quick: bool, redis_url: str) -> dict:
         buffer.fill(0)
         config = LMCacheConfig(max_local_cpu_size=(nbytes * 1.3 + (64 << 20)) / (1 << 30), enable_p2p=True,
                                extra_config={"p2p_directory_url": redis_url, "remote_key_prefix": prefix,
-                                             "prefault_local_cpu": "sync", "p2p_pull_timeout_secs": 30.0})
+                                             "prefault_local_cpu": "sync", "p2p_pull_timeout_secs": 30.0,
+                                             "pd_peers": [f"127.0.0.1:{port}"]})
         with StorageManager(config) as mgr:
             mgr.attach_instance(InstanceIdentity("pulling"))
             ours, raw = _common.pulls_against_raw(mgr, keys, lambda rep: mgr.prefetch(keys), raw_port, buffer, repeats)

@@ -98,18 +98,25 @@ def _ttft(quick: bool, repeats: int) -> dict:
 
     model = str(build_model("tiny" if quick else "medium"))
     prompt_len = 1400 if quick else 3000
-    extra = {"chunk_size": 256, "extra_config": {"pd_host": "127.0.0.1"}}
-    args = ["--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
-            "--no-enable-prefix-caching", "--max-num-batched-tokens", "4096",
-            "--kv-transfer-config", json.dumps(connector_config(extra))]
+    # PD configured explicitly (docs/DISAGGREGATED.md): fixed transfer ports, each listed in both pd_peers.
+    from lmcache_vllm.integration.vllm.testing.openai_server import free_port
+
+    ports = {"p": free_port(), "d": free_port()}
+
+    def args_for(side: str) -> list[str]:
+        extra = {"chunk_size": 256, "extra_config": {"pd_host": "127.0.0.1", "pd_port": ports[side],
+                                                     "pd_peers": [f"127.0.0.1:{p}" for p in ports.values()]}}
+        return ["--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
+                "--no-enable-prefix-caching", "--max-num-batched-tokens", "4096",
+                "--kv-transfer-config", json.dumps(connector_config(extra))]
     tmp = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     (tmp / "p").mkdir()
     (tmp / "d").mkdir()
     pulled, recomputed = [], []
-    with serve(model, args, tmp / "p", vllm_env(tmp / "p", multiprocessing=True, threads_bind="0",
-                                               kv_cache_gib=2)) as (p_base, _), \
-            serve(model, args, tmp / "d", vllm_env(tmp / "d", multiprocessing=True, threads_bind="1",
-                                                   kv_cache_gib=2)) as (d_base, _):
+    with serve(model, args_for("p"), tmp / "p", vllm_env(tmp / "p", multiprocessing=True, threads_bind="0",
+                                                         kv_cache_gib=2)) as (p_base, _), \
+            serve(model, args_for("d"), tmp / "d", vllm_env(tmp / "d", multiprocessing=True, threads_bind="1",
+                                                            kv_cache_gib=2)) as (d_base, _):
 
         def body(prompt, **kw):
             return {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,

@@ -17,6 +17,8 @@ VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on
   vLLM's 1 GiB too, so there both passes 2 are mostly vLLM's own hits: a smoke test of the plumbing only.
   Our chunks are the connector's default (no chunk_size set: vLLM's block size, 128, on the CPU backend) unless
   `--chunk-size N` sets one; with 256 on a 3064-token prompt vLLM hits 2944 tokens and 256-token chunks 2816.
+  LMCache's server runs at the same chunk size as ours (like with like: a larger chunk recomputes more of
+  every repeat).
 - no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
 - with `--decode-cost`, no reuse with long answers (`random_long`: 256 generated tokens, so every answer
   completes chunks while it decodes): vLLM alone, ours with `save_decode_cache` off and on: what storing the
@@ -52,6 +54,7 @@ from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env 
 
 OUT = os.path.join(_common.REPO_ROOT, "bench_out")
 PERCENTILES = "50,99"
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on its CPU backend (no server here sets another)
 
 
 def shared_prefixes(prefixes: int, prefix_len: int, suffix_len: int, output_len: int, prompts: int) -> list[str]:
@@ -181,7 +184,7 @@ def freezer(url: str, freeze_s: float, every_s: float):
     return run
 
 
-def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
+def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int, extra_args: tuple[str, ...] = ()):
     """`lmcache server` (LMCache 0.5.6's server mode) on a free port, with `extra_args` (e.g. an L2 adapter):
     (process, port)."""
     from lmcache_vllm.integration.vllm.testing.openai_server import free_port
@@ -201,7 +204,7 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, 
 
 
 @contextlib.contextmanager
-def lmcache_running(python: str, tmp: Path, l1_gb: float, chunk_size: int = 256, extra_args: tuple[str, ...] = ()):
+def lmcache_running(python: str, tmp: Path, l1_gb: float, chunk_size: int, extra_args: tuple[str, ...] = ()):
     """`lmcache_server` for the time of a `with` block: yields (its port, its process group), stops it afterwards."""
     proc, port = lmcache_server(python, tmp, l1_gb, chunk_size, extra_args)
     try:
@@ -286,7 +289,12 @@ def main() -> None:
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     args.json = args.json or os.path.join(OUT, "serving.json")
+    from lmcache_vllm.integration.vllm.chunk_size import default_chunk_size
     from lmcache_vllm.integration.vllm.testing.local_model import build_model
+
+    # Ours and LMCache's at one chunk size: ours unless --chunk-size, the connector's default for vLLM's CPU
+    # block size (these servers run with vLLM's default).
+    ours_chunk = args.chunk_size or default_chunk_size(VLLM_CPU_BLOCK_SIZE, on_cpu=True)[0]
 
     size = "tiny" if args.quick else "medium"
     model = str(build_model(size))
@@ -336,7 +344,7 @@ def main() -> None:
                     print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
             if args.vs_lmcache and (not args.only or "reuse_lmcache" in args.only):
                 try:
-                    with lmcache_running(args.vs_lmcache, tmp, l1_gb) as (port, _):
+                    with lmcache_running(args.vs_lmcache, tmp, l1_gb, ours_chunk) as (port, _):
                         rows.update(measure("reuse_lmcache", tmp, model, lmcache_peer(port), loads["reuse"],
                                             max_model_len, python=args.vs_lmcache))
                 except Exception as exc:
@@ -352,7 +360,8 @@ def main() -> None:
          r["mean_e2el_ms"], int(r["prompt_tokens"]), int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]),
          int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]))
         for n, r in rows.items()], headers)
-    res = {"model": size, "cpu": _common.cpu_model(), "chunk_size": args.chunk_size, **ratios(rows),
+    res = {"model": size, "cpu": _common.cpu_model(), "chunk_size": ours_chunk, "lmcache_chunk_size": ours_chunk,
+           **ratios(rows),
            **{f"{name}.failed": why for name, why in failed.items()}}
     for name, row in rows.items():
         for key, value in row.items():

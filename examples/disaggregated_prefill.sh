@@ -3,15 +3,19 @@
 # instance and examples/pd_proxy.py in front of them, all on this host; then one prompt through the proxy.
 #   bash examples/disaggregated_prefill.sh [MODEL_DIR]
 # Both instances run our connector as kv_both (no Redis needed); D pulls each prompt's KV from P's transfer
-# server. On a 2-core machine P computes on core 0 and D on core 1. Any proxy that drives vLLM's NIXL
-# connector (vLLM's toy proxy, vllm-router, llm-d) can take pd_proxy.py's place.
+# server. PD is configured explicitly, as docs/DISAGGREGATED.md shows first: extra_config.pd "on" and one chunk
+# MAC key in every instance's environment (P signs its params, D pulls only what they sign). On a 2-core
+# machine P computes on core 0 and D on core 1. Any proxy that drives vLLM's NIXL connector (vLLM's toy proxy,
+# vllm-router, llm-d) can take pd_proxy.py's place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 MODEL=${1:-$($PY -m lmcache_vllm.integration.vllm.testing.local_model --size tiny)}
 P_PORT=${P_PORT:-8100}; D_PORT=${D_PORT:-8200}; PROXY_PORT=${PROXY_PORT:-8000}
 CONNECTOR='{"kv_connector":"LMCacheConnector","kv_connector_module_path":"lmcache_vllm.integration.vllm",'
-CONNECTOR+='"kv_role":"kv_both","kv_connector_extra_config":{"extra_config":{"pd_host":"127.0.0.1"}}}'
+CONNECTOR+='"kv_role":"kv_both","kv_connector_extra_config":{"extra_config":{"pd":"on","pd_host":"127.0.0.1"}}}'
+# The fleet's key: the same on every instance (and the proxy), in the environment (vLLM logs extra_config).
+export LMCACHE_VLLM_CHUNK_MAC_KEY=${LMCACHE_VLLM_CHUNK_MAC_KEY:-$($PY -m lmcache_vllm.cli keygen)}
 ARGS=(--host 127.0.0.1 --dtype bfloat16 --max-model-len 4096 --enforce-eager --kv-transfer-config "$CONNECTOR")
 
 PIDS=()

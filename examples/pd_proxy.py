@@ -11,6 +11,10 @@ body with those params to the decode instance, whose answer (streamed or not) go
 comes. Both instances get the same `X-Request-Id`. If the prefill instance fails, the decode instance gets
 the request without params and computes the prompt itself (counted in /healthcheck's `prefill_failures`): a
 client's own `kv_transfer_params` never reach either instance.
+With the fleet's chunk MAC key in its environment (`LMCACHE_VLLM_CHUNK_MAC_KEY`), the proxy authorizes each
+prefill request with it (`params.proxy_params`): a prefill instance where disaggregated prefill is not
+configured explicitly (`extra_config.pd: auto` with a key) holds for this proxy's requests only, never for a
+plain client's (docs/SECURITY.md).
 GET /healthcheck answers 200 with those counts. fastapi, httpx and uvicorn come with vLLM.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -34,9 +39,24 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 _HOP_HEADERS = ("authorization",)  # forwarded to both instances
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """What the prefill instance gets: one token, no streaming, the request to hold its KV."""
-    out = dict(body, kv_transfer_params=dict(PREFILL_PARAMS), stream=False, max_tokens=1)
+def proxy_mac() -> Any:
+    """The chunk MAC of the key(s) in this process's environment (None without one)."""
+    from lmcache_vllm.config.extra import env_mac_keys
+    from lmcache_vllm.storage.codec import ChunkMac
+
+    keys = env_mac_keys(os.environ)
+    return ChunkMac(keys) if keys else None
+
+
+def prefill_body(body: dict[str, Any], mac: Any = None) -> dict[str, Any]:
+    """What the prefill instance gets: one token, no streaming, the request to hold its KV (authorized with
+    `mac`, the fleet's chunk MAC key, when there is one)."""
+    params = dict(PREFILL_PARAMS)
+    if mac is not None:
+        from lmcache_vllm.integration.vllm.pd.params import proxy_params
+
+        params.update(proxy_params(mac))
+    out = dict(body, kv_transfer_params=params, stream=False, max_tokens=1)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
@@ -55,6 +75,7 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
 
 def build_app(prefillers: list[str], decoders: list[str], timeout_s: float = 600.0) -> FastAPI:
     state: dict[str, Any] = {"prefill_failures": 0, "requests": 0}
+    mac = proxy_mac()
     next_prefiller = itertools.cycle(prefillers)
     next_decoder = itertools.cycle(decoders)
 
@@ -69,7 +90,7 @@ def build_app(prefillers: list[str], decoders: list[str], timeout_s: float = 600
 
     async def prefill(url: str, body: dict, headers: dict) -> dict[str, Any] | None:
         try:
-            response = await state["client"].post(url, json=prefill_body(body), headers=headers)
+            response = await state["client"].post(url, json=prefill_body(body, mac), headers=headers)
             response.raise_for_status()
             return response.json().get("kv_transfer_params") or None
         except (httpx.HTTPError, ValueError) as exc:

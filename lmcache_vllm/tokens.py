@@ -20,10 +20,15 @@ Scheme (format "tokens/v1" with "extras/v1"; a change of it must change `TOKEN_H
   data per overlapping span, in span order) followed by u32 total length + b"LMX1". That trailer read as
   a little-endian int64 is >= 3.5e18, never a token id, so a digest with extras never equals one of a
   plain token sequence. No pickle, no `hash()`: the bytes are the same in every process.
-- H is one of `SUPPORTED_HASH_ALGORITHMS`: "xxh3_128" (default: fastest measured here, 128-bit, not
-  cryptographic), "blake3" and "sha256" (cryptographic; choose one when untrusted tenants share a
-  remote cache and could try to forge collisions). Python's `hash()` is never used, so keys do not
-  depend on PYTHONHASHSEED or on vLLM's per-process block-hash seed.
+- H is one of `SUPPORTED_HASH_ALGORITHMS`: "sha256" (default), "blake3" (both cryptographic) or "xxh3_128"
+  (128-bit, not collision-resistant). A digest names a prefix in L1, which every tenant of an instance
+  shares (and in any shared tier): with a digest one can collide, two different prompts can be made to name
+  the same chunks, and one is then served the other's KV. So the default is cryptographic, as vLLM's own
+  prefix cache (sha256) is. sha256 over 1 KiB chunks runs on the CPU's SHA instructions: a prompt's keys
+  take about 1.5x xxh3_128's time, under 1 us more per chunk (`benchmarks/bench_chunk_digest.py`), less
+  than blake3's Python binding at this size. xxh3_128 is for a deployment with no untrusted tenant.
+  Python's `hash()` is never used, so keys do not depend on PYTHONHASHSEED or on vLLM's per-process
+  block-hash seed.
 
 `CacheKey` adds what makes a stored chunk usable: a short model name and the model fingerprint (see
 `integration/vllm/fingerprint.py`), tensor- and pipeline-parallel size and rank, KV dtype, stored-format

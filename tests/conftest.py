@@ -15,6 +15,14 @@ import uuid
 
 import pytest
 import torch
+from ci import IN_CI, missing_in_ci
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In CI (CI=true), what the suite would otherwise skip for must be there: a skip would hide it (ci.py)."""
+    if IN_CI and (missing := missing_in_ci()):
+        raise pytest.UsageError("CI=true, but what the tests need is missing or broken (they would be skipped "
+                                "and CI pass): " + "; ".join(missing))
 
 
 def _free_port() -> int:

@@ -21,6 +21,8 @@ from lmcache_vllm.storage.redis.client import ClientSettings, sync_client
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = (2, 2, 16, 64)  # 8 KiB of bf16
 MiB = 1 << 20
+LISTED = ["127.0.0.1:1024-65535"]  # these tests' peers: every port loopback has for them (nobody's by default)
+S1, S2 = "p2p-test-secret-one-0123456789", "p2p-test-secret-two-0123456789"
 
 
 def key(i: int, model: str = "m", tp: str = "tp1.0") -> str:
@@ -32,6 +34,7 @@ def config(url: str, prefix: str, *, l1_mib: float = 8, disk: Any = None, **extr
     machine can take longer than the default 0.5 s for a round trip, which a test would read as a miss)."""
     tiers = {"local_disk": str(disk), "max_local_disk_size": 0.1} if disk is not None else {}
     extra.setdefault("p2p_lookup_timeout_secs", 5.0)
+    extra.setdefault("pd_peers", LISTED)
     return LMCacheConfig(max_local_cpu_size=l1_mib * MiB / (1 << 30), enable_p2p=True, blocking_timeout_secs=5.0,
                          extra_config={"p2p_directory_url": url, "remote_key_prefix": prefix, "close_drain_secs": 1.0,
                                        **extra}, **tiers)
@@ -52,6 +55,13 @@ def store(mgr: StorageManager, keys: list[str], first_value: int = 0, shape: tup
         mgr.put(k, obj)
         obj.ref_down()
         mgr.flush()
+
+
+def on_loop(mgr: StorageManager, coro: Any, timeout: float = 10.0) -> Any:
+    """Runs `coro` on `mgr`'s storage loop (where its tiers' clients live) and returns its result."""
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, mgr._loop).result(timeout)
 
 
 def p2p_tier(mgr: StorageManager) -> Any:

@@ -60,9 +60,9 @@ def test_no_warning_when_nothing_others_can_write_goes_unsigned(tmp_path, redis_
     extra = {"remote_key_prefix": redis_prefix, "require_chunk_mac": True}
     kw: dict = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
     if setup == "key_in_env":
-        monkeypatch.setenv(MAC_KEY_ENV, "a fleet secret")
+        monkeypatch.setenv(MAC_KEY_ENV, "a fleet secret of 128 bits at least")
     elif setup == "key_in_config":
-        extra["chunk_mac_key"] = "a fleet secret"
+        extra["chunk_mac_key"] = "a fleet secret of 128 bits at least"
     if setup != "private_disk_only":
         kw["remote_url"] = redis_server.url
     with StorageManager(config(extra=extra, **kw)):
@@ -103,3 +103,45 @@ def test_require_chunk_mac_covers_a_prefill_instances_transfer_port(monkeypatch,
         assert len(warnings) == 1 and "transfer port" in warnings[0] and "require_chunk_mac" in warnings[0]
     else:
         assert warnings == []  # loopback only, the default: no warning
+
+
+@pytest.mark.parametrize("source", ["extra_config", "environment"])
+def test_a_short_mac_key_is_refused_at_start_with_every_other_problem(source, monkeypatch):
+    """Issue 39 #6: any one-character key was accepted. At least 128 bits now, wherever the key comes from."""
+    from lmcache_vllm.config import load_config
+    from lmcache_vllm.storage.registry import chunk_mac
+
+    environ = {MAC_KEY_ENV: "a"} if source == "environment" else {}
+    extra = {"chunk_mac_key": "a"} if source == "extra_config" else {}
+    with pytest.raises(ConfigError) as refused:
+        load_config({"chunk_size": -1, "extra_config": extra}, environ=environ)
+    keys = refused.value.keys
+    assert "chunk_size" in keys and ("extra_config.chunk_mac_key" in keys or MAC_KEY_ENV in keys)
+    assert "128 bits" in str(refused.value) and "keygen" in str(refused.value)
+    for short in ("a", "0123456789abcdef", "passwordpassword", "a-valid-key-of-128-bits,short"):
+        monkeypatch.setenv(MAC_KEY_ENV, short)
+        with pytest.raises(ConfigError):
+            chunk_mac(LMCacheConfig())
+    for good in ("0123456789abcdef0123456789abcdef", "z" * 22, "a passphrase: 16+ bytes", "new-key-0123456789abcd,"
+                 "old-key-0123456789abcd"):
+        monkeypatch.setenv(MAC_KEY_ENV, good)
+        assert chunk_mac(LMCacheConfig()) is not None
+    monkeypatch.setenv(MAC_KEY_ENV, "new-key-0123456789abcd,old-key-0123456789abcd")
+    mac = chunk_mac(LMCacheConfig())
+    assert mac is not None and mac.key_ids == [codec.ChunkMac(k).key_id for k in ("new-key-0123456789abcd",
+                                                                                  "old-key-0123456789abcd")]
+
+
+def test_a_key_in_kv_connector_extra_config_or_hiding_the_environments_is_warned(caplog):
+    """vLLM logs kv_connector_extra_config at start-up, a key there with it; and that key silently beat the
+    environment's."""
+    from lmcache_vllm.config import inspect_config
+
+    key = "a-fleet-key-0123456789abcdef"
+    report = inspect_config({"extra_config": {"chunk_mac_key": key}}, environ={MAC_KEY_ENV: "another-key-0123456789ab"})
+    assert report.config is not None
+    (logged,) = [w for w in report.warnings if "vLLM logs" in w]
+    assert "LMCACHE_VLLM_CHUNK_MAC_KEY" in logged and key not in logged
+    (hidden,) = [w for w in report.warnings if "ignored" in w and MAC_KEY_ENV in w]
+    assert "extra_config.chunk_mac_key" in hidden
+    assert [w for w in inspect_config({}, environ={MAC_KEY_ENV: key}).warnings if "chunk_mac" in w.lower()] == []

@@ -21,11 +21,11 @@ def test_lmcache_keys_load_as_ours(tmp_path):
     assert cfg.enable_p2p and cfg.p2p_host == "localhost" and cfg.p2p_init_ports == [8200]
     assert p2p_directory_url(cfg) == "redis://r:6379"  # the directory defaults to remote_url
     cfg = load_config({"enable_p2p": True, "p2p_init_ports": [8200, 8300],
-                       "extra_config": {"p2p_directory_url": "redis-cluster://a:1,b:2", "pd_peers": ["10.0.0.0/8",
-                                                                                                      "gpu-7.lan"]}},
+                       "extra_config": {"p2p_directory_url": "redis-cluster://a:1,b:2",
+                                        "pd_peers": ["10.0.0.0/8:8200-8300", "gpu-7.lan:8200"]}},
                       environ={"LMCACHE_ENABLE_P2P": "true"})
     assert p2p_directory_url(cfg) == "redis-cluster://a:1,b:2" and cfg.remote_url is None
-    assert cfg.extra_config.pd_peers == ["10.0.0.0/8", "gpu-7.lan"]
+    assert cfg.extra_config.pd_peers == ["10.0.0.0/8:8200-8300", "gpu-7.lan:8200"]
 
 
 def test_every_p2p_problem_in_one_error():

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from ci import IN_CI
 
 from lmcache_vllm import ops
 from lmcache_vllm.config import load_config
@@ -35,7 +36,7 @@ try:
     host_kernel("as_built")
     UNAVAILABLE = ""
 except HostKernelUnavailable as exc:
-    if os.environ.get("CI"):  # CI has g++ and nvcc (make check-cuda needs them): never skip there
+    if IN_CI:  # CI has g++ and nvcc (make check-cuda needs them): never skip there
         raise
     UNAVAILABLE = str(exc)
 pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"kernel source not buildable for the host: {UNAVAILABLE}")

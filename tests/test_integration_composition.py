@@ -26,6 +26,7 @@ from lmcache_vllm.integration.vllm import LMCacheConnector  # noqa: E402
 from lmcache_vllm.integration.vllm.composition import Composition, register_connector  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.params import PARAMS_KEY, parse_remote_prefill  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler  # noqa: E402
+from lmcache_vllm.integration.vllm.pd.trust import PeerTrust  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 
@@ -117,7 +118,8 @@ def test_namespaced_prefill_params_share_no_key_and_a_decode_instance_pulls_with
 
     def half(namespaced: bool) -> SchedulerHalf:
         pd = PDScheduler(engine_id="E", host="127.0.0.1", chunk_size=CHUNK, tp_size=1, ask_ports=lambda: [9000],
-                         can_load=True, can_save=True, namespaced_params=namespaced)
+                         can_load=True, can_save=True, namespaced_params=namespaced,
+                         trust=PeerTrust(["127.0.0.1:9000"]), hold_for_any_client=True)
         return SchedulerHalf(config, block_size=BLOCK, lookup_client=store, can_load=True, can_save=True, pd=pd)
 
     prefill = half(namespaced=True)

@@ -53,8 +53,8 @@ def test_config_overrides_dtype_and_namespace_change_it(model_dir, tmp_path):
         "hf_overrides": identity(model_dir, hf_overrides={"rope_theta": 20000.0}).fingerprint,
         "dtype": identity(model_dir, dtype="float32").fingerprint,
         "namespace": identity(model_dir, namespace="tenant-7").fingerprint,
-        "chunk MAC secret": model_identity(VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16")),
-                                           mac_key_id="0123abcd").fingerprint,
+        "chunk MAC": model_identity(VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16")),
+                                    mac_keyed=True).fingerprint,
     }
     assert base.fingerprint not in others.values() and len(set(others.values())) == len(others)
     assert identity(model_dir, namespace="tenant-7").name == "tenant-7.llama"

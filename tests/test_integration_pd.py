@@ -24,12 +24,14 @@ from lmcache_vllm.integration.vllm.events import HoldReport  # noqa: E402
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, PeerSpec, SaveSpec  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.params import PDRefusal, check_compatible, parse_remote_prefill, prefill_params  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler  # noqa: E402
+from lmcache_vllm.integration.vllm.pd.trust import PeerTrust  # noqa: E402
 from lmcache_vllm.integration.vllm.pd.worker import PeerTransfer  # noqa: E402
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf  # noqa: E402
 from lmcache_vllm.integration.vllm.worker import WorkerHalf  # noqa: E402
 from lmcache_vllm.observability import metrics  # noqa: E402
 
 S_CHUNK, S_BLOCK = 256, 128
+LISTED = "127.0.0.1:7000-7003"  # the prefill instance of `remote_params` (loopback is nobody's by default)
 TOY_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -64,9 +66,10 @@ def test_params_round_trip_and_refuse_what_cannot_be_pulled():
 
 # ---------------------------------------------------------------- scheduler half
 def make_half(*, can_load=True, can_save=True, tp=1, ports=(9000,)):
+    """A scheduler half with PD configured explicitly: `pd_peers` lists the prefill instance of `remote_params`."""
     store = PrefixStore(0)
     pd = PDScheduler(engine_id="E", host="10.0.0.1", chunk_size=S_CHUNK, tp_size=tp, ask_ports=lambda: list(ports),
-                     can_load=can_load, can_save=can_save)
+                     can_load=can_load, can_save=can_save, trust=PeerTrust([LISTED]), hold_for_any_client=True)
     half = SchedulerHalf(LMCacheConfig(chunk_size=S_CHUNK), block_size=S_BLOCK, lookup_client=store,
                          can_load=can_load, can_save=can_save, pd=pd)
     return half, store
@@ -164,7 +167,7 @@ def test_decode_side_pulls_asynchronously_without_a_lookup():
     assert half.hit_sources("d") == {"peer": 572}
     meta = half.build_connector_meta(SchedulerOutput.make_empty())
     (load,) = meta.loads
-    assert load.is_async and load.peer == PeerSpec("p-req", "127.0.0.1", (7000,), "loopback")
+    assert load.is_async and load.peer == PeerSpec("p-req", "127.0.0.1", (7000,), LISTED)
     assert (load.skip_leading, load.load_end, len(load.token_ids), load.block_ids) == (128, 700, 700, blocks)
     assert meta.peer_releases == []  # the pull releases the hold itself
     assert finish(half, req, RequestStatus.FINISHED_STOPPED) == (False, None)
@@ -173,6 +176,9 @@ def test_decode_side_pulls_asynchronously_without_a_lookup():
 
 @pytest.mark.parametrize("case", ["tp_mismatch", "aborted_first", "nothing_to_pull", "never_seen", "role"])
 def test_decode_side_tells_the_prefill_instance_whenever_it_will_not_pull(case, caplog):
+    """An admitted prefill instance of this TP and chunk size hears at once that D will not pull (RELEASE);
+    one of another TP size hears nothing (issue 39 #3: its ports are not ranks D shares, and a client could
+    name 256 of them)."""
     half, store = make_half(tp=2 if case == "tp_mismatch" else 1, can_load=case != "role")
     req = pd_request("d", 700, remote_params())
     if case in ("tp_mismatch", "role"):
@@ -192,7 +198,8 @@ def test_decode_side_tells_the_prefill_instance_whenever_it_will_not_pull(case, 
     else:  # vLLM's API server refused it: request_finished is all the connector sees
         finish(half, req, RequestStatus.FINISHED_ABORTED)
     meta = half.build_connector_meta(SchedulerOutput.make_empty())
-    assert meta.peer_releases == [PeerSpec("p-req", "127.0.0.1", (7000,), "loopback")] and meta.loads == []
+    released = [] if case == "tp_mismatch" else [PeerSpec("p-req", "127.0.0.1", (7000,), LISTED)]
+    assert meta.peer_releases == released and meta.loads == []
 
 
 # ---------------------------------------------------------------- workers with real engines and sockets

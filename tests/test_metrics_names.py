@@ -172,7 +172,7 @@ STABLE = [
      'Time to write one chunk to a lower tier'),
     ("pd_pulled_chunks", "counter", ('peer',),
      'Chunks a decode instance pulled from a prefill instance and verified (peer: its '
-     'extra_config.pd_peers entry, loopback, or other: a bounded set, whatever host a client names)'),
+     'extra_config.pd_peers entry, own, or other: a bounded set, whatever host a client names)'),
     ("pd_pulled_bytes", "counter", ('peer',),
      'Bytes of the chunks pulled from a prefill instance'),
     ("pd_pull_seconds", "histogram", ('peer',),
@@ -202,6 +202,14 @@ STABLE = [
      "a peer that read nothing for its I/O timeout)"),
     ("pd_prefill_requests", "counter", (),
      'Requests a prefill instance answered with kv_transfer_params for a decode instance'),
+    ("pd_remote_decode_refused", "counter", ('reason',),
+     'Requests asking a prefill instance for a remote decode (do_remote_decode) it did not hold for, answered '
+     'without kv_transfer_params (reason: not_configured: neither extra_config.pd: on with a chunk MAC key nor '
+     'extra_config.pd_peers, and no proxy authorization; bad_proxy_auth: an authorization that does not verify)'),
+    ("pd_releases_dropped", "counter", ('reason',),
+     'RELEASEs a decode instance did not send to a prefill instance, whose hold then lasts its lease (reason: '
+     'queue_full, destinations: too many queued; stale: queued too long; unreachable, timeout: the connection '
+     'failed or did not take them within 1 s)'),
     ("p2p_pulled_chunks", "counter", ('peer',),
      'Chunks pulled from another instance (peer: its host:port, the first 16 seen; later ones: other) and verified'),
     ("p2p_pulled_bytes", "counter", ('peer',),
@@ -217,8 +225,8 @@ STABLE = [
     ("p2p_served_bytes", "counter", (),
      'Bytes of the chunks sent to peers'),
     ("p2p_refused_fetches", "counter", (),
-     'Requests for chunks refused because the peer is not trusted (no chunk MAC key, and neither loopback'
-     ' nor in extra_config.pd_peers)'),
+     'Requests for chunks refused because the peer is not trusted (no chunk MAC key, and its address not'
+     ' in extra_config.pd_peers)'),
     ("p2p_lookups", "counter", (),
      'Directory lookups (one per batch of keys missing in L1 and disk)'),
     ("p2p_lookup_seconds", "histogram", (),

@@ -14,6 +14,7 @@ from lmcache_vllm.config.redact import redact_text, redact_url
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.redis import RedisBackend
 
+MAC = "Mac4secret-of-at-least-128-bits"
 SECRETS = ("Pw4userinfo", "Pw4query", "Mac4secret")
 
 
@@ -43,7 +44,7 @@ def test_urls_and_text_are_redacted():
 def test_config_reprs_summaries_and_logs_hold_no_secret(caplog):
     caplog.set_level(logging.DEBUG)
     for url in ("redis://user:Pw4userinfo@127.0.0.1:6379/0", "redis://127.0.0.1:6379/0?password=Pw4query"):
-        cfg = LMCacheConfig(remote_url=url, extra_config={"chunk_mac_key": "Mac4secret"})
+        cfg = LMCacheConfig(remote_url=url, extra_config={"chunk_mac_key": MAC})
         assert_clean(repr(cfg), str(cfg), repr(cfg.extra_config), cfg.summary(), logs.describe_config(cfg))
     # LMCache's resp:// with separate username/password keys: the translation's warning names the URL.
     report = inspect_config({"remote_url": "resp://:Pw4userinfo@127.0.0.1:6379"}, environ={})

@@ -210,8 +210,10 @@ _PEER = textwrap.dedent("""
 def test_p2p_pulls_the_pages_another_sglang_instance_holds_in_memory(tmp_path, redis_server, redis_prefix):
     import json
 
+    # pd_peers: the peer's port, one the OS picks on loopback (which is nobody's unless listed)
     p2p = {"local_cpu": True, "max_local_cpu_size": 0.05, "enable_p2p": True,
-           "extra_config": {"p2p_directory_url": redis_server.url, "remote_key_prefix": redis_prefix}}
+           "extra_config": {"p2p_directory_url": redis_server.url, "remote_key_prefix": redis_prefix,
+                            "pd_peers": ["127.0.0.1:1024-65535"]}}
     tokens = prompt(8)
     peer = subprocess.Popen([sys.executable, "-c", _PEER, os.path.dirname(__file__), json.dumps(p2p),
                              json.dumps(tokens), str(tmp_path / "pages.npy")], stdin=subprocess.PIPE,

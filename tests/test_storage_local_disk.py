@@ -387,3 +387,29 @@ async def test_hard_links_are_refused_and_never_counted(tmp_path, alloc, make_ch
     with pytest.raises(ConfigError, match=USAGE_FILE):
         open_disk(str(plain), 1 << 20)
     assert victim.read_bytes() == b"precious"
+
+
+async def test_a_key_rotation_reads_the_chunks_of_the_old_key_and_the_new(tmp_path, alloc, make_chunk):
+    """Issue 39 #6: one key only made a rotation empty every cache (the key's id was in every key's fingerprint,
+    and only one key verified). With a list, the fleet moves [old] -> [old, new] -> [new, old] -> [new]: at each
+    step an instance reads what the previous step wrote, under the same keys."""
+    old, new = "the-old-fleet-key-0123456789", "the-new-fleet-key-0123456789"
+    src = make_chunk(5, CHUNK)
+    steps = [codec.ChunkMac(old), codec.ChunkMac([old, new]), codec.ChunkMac([new, old]), codec.ChunkMac(new)]
+    for i, (writer, reader) in enumerate(zip(steps, steps[1:])):
+        write = open_disk(str(tmp_path), 1 << 20, mac=writer)
+        assert await write.put(key(10 + i), obj_of(src))
+        await write.close()
+        read = open_disk(str(tmp_path), 1 << 20, mac=reader)
+        got = await read.get(key(10 + i), alloc)
+        assert got is not None and torch.equal(got.tensor, src), f"step {i + 1} did not read step {i}'s chunk"
+        got.ref_down()
+        await read.close()
+    assert metrics.value("unauthenticated_chunks") == 0
+    last = open_disk(str(tmp_path), 1 << 20, mac=codec.ChunkMac(new))  # the old key is gone: its chunks too
+    write = open_disk(str(tmp_path), 1 << 20, mac=codec.ChunkMac(old))
+    assert await write.put(key(20), obj_of(src))
+    assert await last.get(key(20), alloc) is None
+    assert metrics.value("unauthenticated_chunks") == 1
+    for disk in (last, write):
+        await disk.close()

@@ -145,13 +145,22 @@ def test_plan_takes_the_longest_stretch_of_one_server():
     assert plan_pulls([]) == []
 
 
-def test_trust_is_loopback_and_the_allow_list():
-    trust = PeerTrust(["10.1.0.0/16", "192.0.2.9", "gpu-7.lan"], resolve=lambda name: "198.51.100.7")
-    assert trust("127.0.0.1") and trust("::1") and trust("::ffff:127.0.0.1")
-    assert trust("10.1.200.3") and trust("192.0.2.9") and trust("198.51.100.7")  # the last: gpu-7.lan's address
-    assert not trust("10.2.0.1") and not trust("192.0.2.10") and not trust("evil.example") and not trust("")
+def test_trust_is_the_allow_list_with_its_ports_and_loopback_is_nobodys():
+    """Issue 39 #2: without a MAC a P2P peer is trusted by its address AND port in pd_peers (the directory is
+    anyone's to write who reaches its Redis: before, every port of loopback and of a listed network was)."""
+    trust = PeerTrust(["10.1.0.0/16:8200-8203", "192.0.2.9:8200", "gpu-7.lan:9000"],
+                      resolve=lambda name: "198.51.100.7")
+    assert trust.pulls("10.1.200.3", 8203) and trust.pulls("192.0.2.9", 8200) and trust.pulls("198.51.100.7", 9000)
+    assert not trust.pulls("10.1.200.3", 6379) and not trust.pulls("192.0.2.9", 8201)  # other ports: refused
+    assert not trust.pulls("127.0.0.1", 8200) and not trust.pulls("::1", 8200)  # loopback: not by default
+    assert not trust.pulls("::ffff:127.0.0.1", 8200) and not trust.serves("127.0.0.1")
+    assert not trust.pulls("10.2.0.1", 8200) and not trust.pulls("evil.example", 8200) and not trust.pulls("", 1)
     # The directory names addresses: a name (even an allowed one, even localhost) is connected to by nobody.
-    assert not trust("localhost") and not trust("gpu-7.lan")
+    assert not trust.pulls("localhost", 8200) and not trust.pulls("gpu-7.lan", 9000)
+    # Serving: a listed host or network, from any source port.
+    assert trust.serves("10.1.0.1") and trust.serves("198.51.100.7") and not trust.serves("10.2.0.1")
+    listed = PeerTrust(["127.0.0.1:8200"])
+    assert listed.pulls("::ffff:127.0.0.1", 8200) and listed.serves("127.0.0.1")  # the mapped form is the same
 
 
 def test_backoff_skips_a_failed_peer_for_a_while():

@@ -228,7 +228,7 @@ def test_what_a_peer_no_longer_holds_is_withdrawn(url, redis_prefix):
         assert h.get_all(b, keys) == [0.0, 1.0, 2.0]  # not backed off
 
 
-@pytest.mark.parametrize("secret_a,secret_b,pulled", [("s1", "s1", 2), ("s1", "s2", 0), ("s1", None, 0)])
+@pytest.mark.parametrize("secret_a,secret_b,pulled", [(h.S1, h.S1, 2), (h.S1, h.S2, 0), (h.S1, None, 0)])
 def test_mac_secrets(url, redis_prefix, secret_a, secret_b, pulled):
     keys = [h.key(i) for i in range(2)]
     with h.manager(url, redis_prefix, "A", chunk_mac_key=secret_a) as a, \
@@ -238,7 +238,7 @@ def test_mac_secrets(url, redis_prefix, secret_a, secret_b, pulled):
         assert len(h.get_all(b, keys)) == pulled
         if secret_b is not None and secret_b != secret_a:  # A's entry is not signed with B's key: not asked
             assert metrics.value("p2p_skipped_peers", reason="unsigned") >= 1
-        elif not pulled:  # B without a key asks its loopback peer, which refuses an unsigned request
+        elif not pulled:  # B without a key asks its listed peer, which refuses an unsigned request
             assert metrics.value("p2p_pull_failures", reason="refused") + \
                    metrics.value("p2p_pull_failures", reason="corrupt") == 1
 
@@ -251,7 +251,7 @@ def test_without_a_mac_only_trusted_peers_are_asked(url, redis_prefix):
         assert b.prefix_tiers(keys) == []
         assert time.monotonic() - t0 < 1  # never connected to
         assert metrics.value("p2p_skipped_peers", reason="untrusted") == 1
-    with h.manager(url, redis_prefix, "C", chunk_mac_key="s", p2p_pull_timeout_secs=0.3) as c:
+    with h.manager(url, redis_prefix, "C", chunk_mac_key=h.S1, p2p_pull_timeout_secs=0.3) as c:
         # With a MAC key only entries signed with it are asked (whoever writes the directory's Redis names the
         # addresses): the planted, unsigned one is never connected to either.
         t0 = time.monotonic()
@@ -267,3 +267,91 @@ def test_the_server_refuses_untrusted_peers_without_a_mac(make_chunk):
     assert metrics.value("p2p_refused_fetches") == 1
     keyed.checkout([h.key(0)], "127.0.0.1")
     assert got == [h.key(0)]
+
+
+# ---------------------------------------------------------------- what a directory writer can do (issue 39 #2, #5)
+def test_without_a_key_or_pd_peers_a_loopback_peer_is_not_asked(url, redis_prefix):
+    """Loopback is nobody's by default: before, any process on the host listed itself and served chunks."""
+    keys = [h.key(i) for i in range(2)]
+    with h.manager(url, redis_prefix, "A") as a, h.manager(url, redis_prefix, "B", pd_peers=[]) as b:
+        h.store(a, keys)
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == 2)
+        assert h.get_all(b, keys) == []
+        assert metrics.value("p2p_skipped_peers", reason="untrusted") >= 1
+        assert metrics.value("p2p_pulled_chunks", peer="other") == 0
+        assert metrics.value("p2p_refused_fetches") == 0  # never even asked
+
+
+def test_a_listed_host_is_asked_only_at_its_listed_ports(url, redis_prefix):
+    keys = [h.key(0)]
+    asked = FakePeer(lambda request, conn: wire.frame_bytes(wire.end_reply(0)))
+    try:
+        with h.manager(url, redis_prefix, "B", pd_peers=[f"127.0.0.1:{asked.port + 1}"]) as b:
+            fake_listing(url, redis_prefix, "other.r0.000000", asked.port, keys)
+            assert b.prefix_tiers(keys) == []
+            assert asked.connections == 0  # the directory named a port pd_peers does not list
+            assert metrics.value("p2p_skipped_peers", reason="untrusted") == 1
+    finally:
+        asked.close()
+
+
+def test_one_entry_with_a_bad_signature_is_skipped_and_every_lookup_still_works(url, redis_prefix):
+    """A `sig` that is not ASCII made hmac.compare_digest raise on every P2P lookup of the fleet (one writer of
+    the directory turned every lookup into an error); now signatures are compared as bytes, the entry
+    skipped, the others used."""
+    keys = [h.key(i) for i in range(2)]
+    with h.manager(url, redis_prefix, "A", chunk_mac_key=h.S1) as a, \
+            h.manager(url, redis_prefix, "B", chunk_mac_key=h.S1) as b:
+        h.store(a, keys)
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == 2)
+        for sid, sig in (("bad1.r0.000000", "é" * 64), ("bad2.r0.000000", "zz"), ("bad3.r0.000000", "00" * 32)):
+            fake_listing(url, redis_prefix, sid, 9, keys)
+            c = h.client(url)
+            c.hset(info_key(f"{redis_prefix}p2p:", sid), mapping={"sig": sig, "expires": str(int(time.time()) + 60)})
+            c.close()
+        assert h.get_all(b, keys) == [0.0, 1.0]
+        assert metrics.value("p2p_lookup_failures", reason="error") == 0
+        assert metrics.value("p2p_skipped_peers", reason="unsigned") >= 3
+
+
+def test_a_signed_entry_expires_with_its_signature(url, redis_prefix):
+    """A signed entry copied from a server that went away was valid forever; now what is signed carries its
+    end, renewed with the lease."""
+    keys = [h.key(0)]
+    with h.manager(url, redis_prefix, "A", chunk_mac_key=h.S1) as a, \
+            h.manager(url, redis_prefix, "B", chunk_mac_key=h.S1) as b:
+        h.store(a, keys)
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == 1)
+        tier = h.p2p_tier(b)
+        (listed,) = [s for s in h.on_loop(b, tier.directory.servers(fresh=True)) if s.instance == "A"]
+        assert listed.expires > time.time() and tier._usable(listed)
+        mac = tier.mac
+        replayed = ServerInfo(listed.sid, listed.host, listed.port, listed.instance, listed.rank, listed.tp,
+                              listed.spaces, expires=int(time.time() - 120))
+        replayed = ServerInfo(**{**replayed.__dict__, "sig": mac.compute(replayed.signed_bytes(), b"").hex()})
+        assert not tier._usable(replayed)
+
+
+def test_directory_reads_are_bounded(url, redis_prefix):
+    """Whoever can write the directory's Redis can make its set of servers huge or an info hash huge: a lookup
+    reads at most 1024 server ids, and skips an info whose fields hold more than 64 KiB (before: SMEMBERS and
+    HGETALL of whatever was there)."""
+    p = f"{redis_prefix}p2p:"
+    c = h.client(url)
+    try:
+        pipe = c.pipeline(transaction=False)
+        for i in range(3000):
+            sid = f"planted{i}.r0.000000"
+            pipe.hset(info_key(p, sid), mapping=ServerInfo(sid, "192.0.2.7", 9, sid, 0, 1).mapping())
+            pipe.sadd(servers_key(p), sid)
+        pipe.execute()
+        c.hset(info_key(p, "huge.r0.000000"), mapping={**ServerInfo("huge.r0.000000", "192.0.2.8", 9, "huge", 0,
+                                                                    1).mapping(), "spaces": "x" * (1 << 20)})
+        c.sadd(servers_key(p), "huge.r0.000000")
+    finally:
+        c.close()
+    with h.manager(url, redis_prefix, "B") as b:
+        servers = h.on_loop(b, h.p2p_tier(b).directory.servers(fresh=True))
+        assert len(servers) <= 1024
+        assert all(s.sid != "huge.r0.000000" for s in servers)
+        assert b.prefix_tiers([h.key(0)]) == []  # a lookup still answers

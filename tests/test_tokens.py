@@ -179,3 +179,13 @@ def test_keys_identical_across_interpreters_with_different_hash_seeds():
     assert outputs[0][-1] != outputs[1][-1]
     assert outputs[0][:-1] == outputs[1][:-1] and len(outputs[0]) == 7
     assert all(line.count(",") == 4 for line in outputs[0][:-1])  # 5 keys: 4 full + 1 partial
+
+
+def test_the_default_digest_is_cryptographic():
+    """Issue 39 #6: the default was xxh3_128, which anyone can collide, while one instance's tenants share L1
+    (vLLM's prefix cache hashes with sha256 for this reason). Measured against xxh3_128 on the hit path by
+    benchmarks/bench_chunk_digest.py."""
+    from lmcache_vllm.config import LMCacheConfig
+
+    assert LMCacheConfig().pre_caching_hash_algorithm == "sha256" == ChunkHasher(4).algorithm
+    assert ChunkHasher(4).digests(list(range(10))) == [bytes.fromhex(d) for d in EXPECTED["sha256"][:2]]

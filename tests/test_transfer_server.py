@@ -410,3 +410,69 @@ def test_byte_streams_end_in_an_answer_or_a_counted_refusal(make_chunk):
             assert_chunks(pull(mgr, keys, side.source("real")), tensors)
     finally:
         side.close()
+
+
+# ---------------------------------------------------------------- parked pulls and FETCH (issue 39 #5)
+def _parked_pull(port: int, req_id: str, n_keys: int) -> socket.socket:
+    """A well-formed PULL of `n_keys` keys (64-character digests) for a request id the server does not know:
+    it parks, waiting for a hold that never comes."""
+    keys = [f"m@-@tp1.0@pp1.0@bfloat16@v3@{i:064x}" for i in range(n_keys)]
+    sock = connect(port)
+    sock.sendall(wire.frame_bytes(wire.encode_request(wire.PULL, req_id, keys)))
+    return sock
+
+
+def test_parked_pulls_count_against_the_request_buffer():
+    """Before, a PULL parked on an unknown request id gave its bytes back when it was parsed: 64 slots of ~4 MB
+    requests held ~270 MB outside max_request_buffer. Now a parked pull keeps them, and the longest parked is
+    closed when the requests being read or parked would pass the buffer."""
+    side = Prefill(grace_s=30.0, max_request_buffer=wire.MAX_REQUEST_BYTES)
+    socks = []
+    try:
+        n = wire.MAX_KEYS * 2 // 5  # ~1.7 MB each: two fit into the buffer, a third does not
+        for i in range(3):
+            socks.append(_parked_pull(side.server.port, f"parked{i}", n))
+            time.sleep(0.3)  # read, parsed and parked
+        assert closed_by_peer(socks[0], 3)  # the longest parked made room
+        assert not closed_by_peer(socks[2], 0.3)
+        assert metrics.value("pd_server_refusals", reason="evicted") == 1
+        assert side.server._buffered <= side.server.max_request_buffer
+    finally:
+        for sock in socks:
+            sock.close()
+        side.close()
+    assert side.server._buffered == 0  # every parked pull's bytes went back
+
+
+def test_a_fetch_naming_a_key_twice_is_refused_and_sends_nothing(make_chunk):
+    """Before, a FETCH of one key repeated 65,536 times (a 2 MB request) was answered with the chunk 65,536
+    times (and, with p2p_serve_disk, read from disk again for each)."""
+    from lmcache_vllm.storage.transfer.keyed import KeyedChunks
+
+    side = Prefill()
+    tensors = [make_chunk(0, CHUNK)]
+    held = side.hold("unused", tensors)
+    got: list[str] = []
+
+    def get(k: str):
+        got.append(k)
+        obj = side.holds.checkout("unused", [k]).objs
+        return obj[0] if obj else None
+
+    keyed = KeyedChunks(get, mac=None, trusted=lambda host: True)
+    side.server.close()
+    side.server = type(side.server)(side.holds, host="127.0.0.1", port=0, by_key=keyed.checkout)
+    try:
+        with connect(side.server.port) as sock:
+            sock.sendall(wire.frame_bytes(wire.encode_request(wire.FETCH, "peer", [held[0]] * 1000)))
+            assert read_reply(sock)[:3] == [wire.PROTOCOL, wire.ERR, b"bad_request"]
+        assert got == [held[0]]  # the repeat was refused before it was looked up again
+        assert metrics.value("pd_server_refusals", reason="bad_request") == 1
+        assert metrics.value("p2p_served_chunks") == 0
+        with StorageManager(d_config()) as mgr:  # a well-formed FETCH is still served
+            source = side.source("peer")
+            from dataclasses import replace
+
+            assert_chunks(pull(mgr, held, replace(source, op=wire.FETCH)), tensors)
+    finally:
+        side.close()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 from pathlib import Path
 
 import pytest
+from ci import skip_or_fail
 
 from lmcache_vllm.integration.vllm.versions import (
     TESTED_VLLM_VERSIONS,
@@ -73,9 +73,7 @@ def next_vllm() -> Path:
     try:
         return vllm_python_tree(NEXT_VLLM)
     except SourceUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM {NEXT_VLLM}'s sources are needed in CI: {exc}")
-        pytest.skip(f"vLLM {NEXT_VLLM}'s sources unavailable here: {exc}")
+        skip_or_fail(f"vLLM {NEXT_VLLM}'s sources unavailable here: {exc}")
 
 
 def _module_file(tree: Path, module: str) -> Path | None:

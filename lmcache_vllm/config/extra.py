@@ -10,8 +10,9 @@ key, add one field with `setting(default, meaning, check=...)`; the table in doc
 from __future__ import annotations
 
 import os
+import string
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from lmcache_vllm.config.fields import (
     at_least,
@@ -49,6 +50,40 @@ def _cpu_choice(value: str) -> Optional[str]:
 
 def _fraction(value: float) -> Optional[str]:
     return None if 0.0 <= value <= 1.0 else "a fraction from 0 to 1"
+
+
+MIN_KEY_BITS = 128
+MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"  # the chunk MAC key(s) (comma-separated), preferred to chunk_mac_key
+
+
+def env_mac_keys(environ: Mapping[str, str]) -> list[str]:
+    """The chunk MAC keys of the environment (comma-separated), [] without any."""
+    return [part.strip() for part in environ.get(MAC_KEY_ENV, "").split(",") if part.strip()]
+_HEX = frozenset(string.hexdigits)
+_BASE64 = frozenset(string.ascii_letters + string.digits + "+/-_")
+
+
+def key_bits(secret: str) -> int:
+    """The most bits a secret can hold as written: 4 per hex digit, 6 per base64 character (padding not
+    counted), 8 per byte of anything else. Not its entropy: a word of 16 letters holds far fewer."""
+    text = secret.rstrip("=")
+    if text and set(text) <= _HEX:
+        return 4 * len(text)
+    if set(text) <= _BASE64:
+        return 6 * len(text)
+    return 8 * len(secret.encode("utf-8"))
+
+
+def check_mac_keys(keys: list[str]) -> Optional[str]:
+    """Every key of a chunk MAC key list holds at least `MIN_KEY_BITS` (None: they do). Never names a key."""
+    if not keys:
+        return "expected at least one key (or null: no MAC)"
+    short = [f"key {i + 1} of {len(keys)} holds at most {key_bits(k)} bits" for i, k in enumerate(keys)
+             if key_bits(k) < MIN_KEY_BITS]
+    if not short:
+        return None
+    return (f"{'; '.join(short)}: a chunk MAC key must hold at least {MIN_KEY_BITS} bits (32 hex digits, 22 "
+            f"base64 characters, or 16 bytes of other text); `lmcache-vllm keygen` prints one of 256 bits")
 
 
 def READABLE_FILE(path: str) -> Optional[str]:  # noqa: N802 (a check, named like the constants above)
@@ -198,12 +233,13 @@ class ExtraConfig:
                                                 "next message of a pull; past it, the rest is recomputed",
                                           check=SECONDS)
     pd_peers: list[str] = setting(
-        meaning="the other instances this one pulls from without chunk_mac_key: prefill instances (kv_transfer_params "
-        "come from clients, so they may name any host) and P2P peers (the directory names them): host names, "
-        "addresses or networks (10.0.0.0/24). Loopback is always allowed, but chunks pulled from an unlisted "
-        "loopback prefill instance stay in L1 (never written to disk or Redis); chunks from a listed peer, or "
-        "verified with the MAC, are stored like any other. With chunk_mac_key set, prefill instances sign their "
-        "params and any signed peer is pulled from",
+        meaning="the transfer ports of the other instances this one connects to without chunk_mac_key: prefill "
+        "instances (kv_transfer_params come from clients, so they may name any host and port) and P2P peers (the "
+        "directory names them): HOST:PORT or HOST:FIRST-LAST, HOST an address, a network (10.0.0.0/24:5600-5607) "
+        "or a name (resolved off vLLM's step; no other name is ever looked up); IPv6 in brackets. Loopback is "
+        "nobody's by default. Non-empty: disaggregated prefill is configured explicitly (this instance holds for "
+        "any client's do_remote_decode). With chunk_mac_key set, prefill instances sign their params and any "
+        "signed peer is pulled from",
         check=check_peers, default_factory=list)
     # Peer-to-peer sharing (enable_p2p; docs/P2P.md)
     p2p_directory_url: Optional[str] = setting(None, "the P2P directory (which instance holds which chunk: keys "
@@ -237,10 +273,12 @@ class ExtraConfig:
                                                    "name): servers with other namespaces never share chunks; "
                                                    "set it for what the fingerprint cannot see (weights "
                                                    "changed in place at the same size)")
-    chunk_mac_key: Optional[str] = setting(None, "secret for a keyed MAC (BLAKE3) of every chunk on disk "
-                                                 "and in Redis: chunks without a valid MAC are misses and "
-                                                 "deleted. Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment "
-                                                 "variable (vLLM logs kv_connector_extra_config)")
+    chunk_mac_key: Optional[list[str]] = setting(
+        None, "secret for a keyed MAC (BLAKE3) of every chunk on disk and in Redis, of the params and requests "
+        "between instances: chunks without a valid MAC are misses and deleted. At least 128 bits (lmcache-vllm "
+        "keygen). A list rotates keys: everything is signed with the first, a MAC of any of them verifies "
+        "(comma-separated in the environment). Prefer the LMCACHE_VLLM_CHUNK_MAC_KEY environment variable: "
+        "vLLM logs kv_connector_extra_config (a key there is warned about at start)", check=check_mac_keys)
     require_chunk_mac: bool = setting(False, "refuse to start when a tier others can write (remote_url; a "
                                              "local_disk with local_disk_shared) would store chunks, or a "
                                              "prefill instance would serve its KV transfer port, without a MAC "
@@ -254,7 +292,8 @@ class ExtraConfig:
 
     def __post_init__(self) -> None:
         raise_if_any(normalize_fields(self, prefix="extra_config."))
-        remember_secret(self.chunk_mac_key)  # from now on redacted from any text we show
+        for key in self.chunk_mac_key or ():
+            remember_secret(key)  # from now on redacted from any text we show
 
     def __repr__(self) -> str:
         return redacted_repr(self)

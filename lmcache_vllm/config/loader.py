@@ -25,10 +25,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-from lmcache_vllm.config.extra import ExtraConfig
+from lmcache_vllm.config.extra import MAC_KEY_ENV, ExtraConfig, check_mac_keys, env_mac_keys
 from lmcache_vllm.config.fields import (
     MISSING,
     ConfigError,
+    Origin,
     Problem,
     did_you_mean,
     field_types,
@@ -201,9 +202,32 @@ def inspect_config(overrides: Optional[Mapping[str, Any]] = None, *,
         loader.top(entry)
     loader.environment(others)
     config = loader.finish()
+    mac_notes = _mac_key_notes(loader, environ)
+    if mac_notes:
+        loader.problems += mac_notes
+        config = None
     if config is not None:
         loader.warnings += _sentinel_notes(config, environ)
     return ConfigReport(config, loader.problems, [redact_text(w) for w in loader.warnings])
+
+
+def _mac_key_notes(loader: _Loader, environ: Mapping[str, str]) -> list[Problem]:
+    """The chunk MAC key of the environment checked like extra_config.chunk_mac_key (a problem when short),
+    and a warning for a key in kv_connector_extra_config (vLLM logs it at start-up) or one that hides the
+    environment's."""
+    problems = []
+    env_keys = env_mac_keys(environ)
+    if env_keys and (problem := check_mac_keys(env_keys)) is not None:
+        problems.append(Problem(MAC_KEY_ENV, MISSING, problem, Origin("environment", MAC_KEY_ENV)))
+    origin = loader.origins.get("extra_config.chunk_mac_key")
+    if origin is not None and loader.extra.get("chunk_mac_key"):
+        if origin.source == OVERRIDES_SOURCE:
+            loader.warnings.append(f"extra_config.chunk_mac_key ({origin}): vLLM logs kv_connector_extra_config "
+                                   f"at start-up, this key with it; set {MAC_KEY_ENV} in the environment instead")
+        if env_keys:
+            loader.warnings.append(f"{MAC_KEY_ENV} (environment): ignored: extra_config.chunk_mac_key ({origin}) "
+                                   f"is set, and it is the key used")
+    return problems
 
 
 def _sentinel_notes(config: LMCacheConfig, environ: Mapping[str, str]) -> list[str]:

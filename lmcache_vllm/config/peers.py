@@ -1,12 +1,14 @@
 """Hosts and request ids between instances: the syntax of a host a prefill instance names (`check_host`), of
 a request id it names (`check_request_id`), and the entries of `extra_config.pd_peers` (`PeerEntry`,
-`parse_peer`), the prefill instances a decode instance trusts without a chunk MAC key (docs/SECURITY.md).
+`parse_peer`), the instances (prefill instances, P2P peers) this one connects to without a chunk MAC key, each
+with its transfer ports: no entry lets a client or a directory name any port of a host (docs/SECURITY.md).
 
 A host is an IP literal (IPv4, or IPv6 without brackets or zone) or a DNS name (labels of letters, digits,
 `-` and `_`, at most 63 characters each, 253 in all): no port, path, user, white space or anything a
 resolver or a log line could take for something else. A `pd_peers` entry is such a host, or a network in
-CIDR notation (`10.0.0.0/24`, `fd00::/64`). Lives in `config` because the configuration checks the entries
-at start-up with this same parser; the decode side matches prefill instances against them.
+CIDR notation (`10.0.0.0/24`, `fd00::/64`), then `:` and a port or a range of ports (`10.0.0.0/24:5600-5607`,
+`prefill-1.internal:5600`, IPv6 in brackets: `[fd00::/64]:5600`). Lives in `config` because the configuration
+checks the entries at start-up with this same parser; the decode side and P2P match peers against them.
 """
 from __future__ import annotations
 
@@ -61,36 +63,61 @@ def check_request_id(value: Any, what: str = "a request id", limit: int = MAX_RE
 
 @dataclass(frozen=True)
 class PeerEntry:
-    """One `pd_peers` entry: a network (an address is a /32 or /128) or a host name; `text` as configured."""
+    """One `pd_peers` entry: a network (an address is a /32 or /128) or a host name, and the transfer ports
+    (`low`..`high`, inclusive) of the instances there; `text` as configured."""
 
     text: str
     network: Optional[IPNetwork] = None
     name: Optional[str] = None
+    low: int = 0
+    high: int = 0
 
-    def matches(self, host: str, address: IPAddress) -> bool:
-        """Whether a prefill instance named `host` (as in its params), resolved to `address`, is this entry."""
+    def matches_host(self, host: str, address: IPAddress) -> bool:
+        """Whether an instance named `host` (as in its params or the directory), at `address`, is on this
+        entry's host or network (any port: who may ask this instance, whose source port says nothing)."""
         if self.network is not None:
             return address.version == self.network.version and address in self.network
         return host == self.name
 
+    def allows(self, host: str, address: IPAddress, port: int) -> bool:
+        """Whether this instance may connect to `port` of `host` at `address`: its host and one of its ports."""
+        return self.low <= port <= self.high and self.matches_host(host, address)
+
+
+_ENTRY = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^\[\]:]+)):(?P<low>[0-9]{1,5})(?:-(?P<high>[0-9]{1,5}))?")
+ENTRY_RULE = ("HOST:PORT or HOST:FIRST-LAST, HOST an IP address, a DNS name or a network such as 10.0.0.0/24 "
+              "(IPv6 in brackets: [fd00::/64]:5600-5607); the ports are the instances' KV transfer ports "
+              "(pd_port + rank, p2p_init_ports)")
+
 
 def parse_peer(text: Any) -> PeerEntry:
     """A `pd_peers` entry; ValueError saying what an entry may be."""
-    if isinstance(text, str) and "/" in text:
+    match = _ENTRY.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{text!r} is not HOST:PORT or HOST:FIRST-LAST")
+    low = int(match["low"])
+    high = int(match["high"]) if match["high"] is not None else low
+    if not 0 < low <= high <= 65535:
+        raise ValueError(f"{text!r} names ports {low}-{high}: expected ports from 1 to 65535, the first not "
+                         f"above the last")
+    host = match["v6"] or match["host"]
+    if "/" in host:
         try:
-            network = ipaddress.ip_network(text, strict=False)
+            network = ipaddress.ip_network(host, strict=False)
         except ValueError:
-            raise ValueError(f"{text!r} is no network: expected an address/prefix such as 10.0.0.0/24") from None
-        return PeerEntry(text, network=network)
+            raise ValueError(f"{text!r}: {host!r} is no network: expected an address/prefix such as "
+                             f"10.0.0.0/24") from None
+        return PeerEntry(text, network=network, low=low, high=high)
     try:
-        host = check_host(text)
+        checked = check_host(host)
     except ValueError:
-        raise ValueError(f"{text!r} is not a host: expected {HOST_RULE}, or a network such as "
-                         f"10.0.0.0/24") from None
-    address = ip_literal(host)
+        raise ValueError(f"{text!r}: {host!r} is not a host: expected {HOST_RULE}") from None
+    if match["v6"] is not None and not isinstance(ip_literal(checked), ipaddress.IPv6Address):
+        raise ValueError(f"{text!r}: brackets are for IPv6 addresses and networks")
+    address = ip_literal(checked)
     if address is not None:
-        return PeerEntry(text, network=ipaddress.ip_network(address))
-    return PeerEntry(text, name=host)
+        return PeerEntry(text, network=ipaddress.ip_network(address), low=low, high=high)
+    return PeerEntry(text, name=checked, low=low, high=high)
 
 
 def check_peers(values: Any) -> Optional[str]:
@@ -101,4 +128,4 @@ def check_peers(values: Any) -> Optional[str]:
             parse_peer(value)
         except ValueError as exc:
             problems.append(str(exc))
-    return "; ".join(problems) or None
+    return f"{'; '.join(problems)} (an entry: {ENTRY_RULE})" if problems else None

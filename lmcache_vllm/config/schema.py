@@ -91,7 +91,9 @@ class LMCacheConfig:
     lookup_timeout_ms: int = setting(3000, "upper bound of a scheduler lookup; past it: a miss",
                                      check=at_least(1, "milliseconds"))
     pre_caching_hash_algorithm: str = setting(
-        "xxh3_128", "chunk digest: xxh3_128 (fastest measured), blake3 or sha256 (see tokens.py)",
+        "sha256", "chunk digest: sha256 (cryptographic, as vLLM's prefix cache; benchmarks/bench_chunk_digest.py "
+                  "measures it against xxh3_128 on the hit path), blake3, or xxh3_128 (fastest, not "
+                  "collision-resistant: only where no untrusted tenant shares a cache; see tokens.py)",
         choices=HASH_ALGORITHMS)
     enable_kv_events: bool = setting(
         False, "KV cache events for cache-aware routers, in vLLM's own form (BlockStored / BlockRemoved of vLLM's "

@@ -161,7 +161,7 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _h("tier_write_seconds", "Time to write one chunk to a lower tier", _T),
     # -- disaggregated prefill (docs/DISAGGREGATED.md): D pulls a request's chunks from P's transfer server
     _c("pd_pulled_chunks", "chunks", "Chunks a decode instance pulled from a prefill instance and verified "
-       "(peer: its extra_config.pd_peers entry, loopback, or other: a bounded set, whatever host a client "
+       "(peer: its extra_config.pd_peers entry, own, or other: a bounded set, whatever host a client "
        "names)", ("peer",)),
     _c("pd_pulled_bytes", "bytes", "Bytes of the chunks pulled from a prefill instance", ("peer",)),
     _h("pd_pull_seconds", "Time of one request's pull from one prefill instance's rank, first request "
@@ -186,6 +186,13 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        ("reason",)),
     _c("pd_prefill_requests", "requests", "Requests a prefill instance answered with kv_transfer_params "
        "for a decode instance", scope="engine"),
+    _c("pd_remote_decode_refused", "requests", "Requests asking a prefill instance for a remote decode "
+       "(do_remote_decode) it did not hold for, answered without kv_transfer_params (reason: not_configured: "
+       "neither extra_config.pd: on with a chunk MAC key nor extra_config.pd_peers, and no proxy "
+       "authorization; bad_proxy_auth: an authorization that does not verify)", ("reason",), scope="engine"),
+    _c("pd_releases_dropped", "requests", "RELEASEs a decode instance did not send to a prefill instance, "
+       "whose hold then lasts its lease (reason: queue_full, destinations: too many queued; stale: queued too "
+       "long; unreachable, timeout: the connection failed or did not take them within 1 s)", ("reason",)),
     # -- P2P sharing (docs/P2P.md): chunks pulled from other instances' L1, found in a directory on Redis
     _c("p2p_pulled_chunks", "chunks", "Chunks pulled from another instance (peer: its host:port, the first 16 "
        "seen; later ones: other) and verified", ("peer",)),
@@ -197,7 +204,7 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("p2p_served_chunks", "chunks", "Chunks this instance's transfer servers sent to peers from L1"),
     _c("p2p_served_bytes", "bytes", "Bytes of the chunks sent to peers"),
     _c("p2p_refused_fetches", "requests", "Requests for chunks refused because the peer is not trusted (no chunk "
-       "MAC key, and neither loopback nor in extra_config.pd_peers)"),
+       "MAC key, and its address not in extra_config.pd_peers)"),
     _c("p2p_lookups", "requests", "Directory lookups (one per batch of keys missing in L1 and disk)"),
     _h("p2p_lookup_seconds", "Time of one directory lookup"),
     _c("p2p_lookup_failures", "requests", "Directory lookups answered as misses because the directory did not "

@@ -51,7 +51,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -131,24 +131,45 @@ class UnauthenticatedEntry(CorruptEntry):
 
 
 class ChunkMac:
-    """Keyed BLAKE3 over a chunk's header (MAC field zeroed) and payload, from a secret of any length."""
+    """Keyed BLAKE3 over a chunk's header (MAC field zeroed) and payload. `secret`: one secret, or a list of
+    them for a key rotation: chunks and messages are signed with the first, and a MAC of any of them verifies
+    (`verify`), so instances with the old and the new key read each other's chunks while a fleet rotates."""
 
-    def __init__(self, secret: str | bytes):
+    def __init__(self, secret: str | bytes | Sequence[str | bytes]):
         import blake3
 
-        material = secret.encode() if isinstance(secret, str) else bytes(secret)
-        remember_secret(secret)  # redacted from any text we show from now on
-        if not material:
-            raise ValueError("the chunk MAC secret is empty")
+        secrets = [secret] if isinstance(secret, (str, bytes, bytearray)) else list(secret)
+        if not secrets:
+            raise ValueError("no chunk MAC secret")
         self._blake3 = blake3.blake3
-        self._key = blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac v1").digest()
-        # Safe to show (in keys, logs): names which secret, reveals nothing of it.
-        self.key_id = blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac key id").hexdigest()[:16]
+        self._keys: list[bytes] = []
+        self.key_ids: list[str] = []  # safe to show (in logs): names which secret, reveals nothing of it
+        for one in secrets:
+            material = one.encode() if isinstance(one, str) else bytes(one)
+            remember_secret(one)  # redacted from any text we show from now on
+            if not material:
+                raise ValueError("the chunk MAC secret is empty")
+            self._keys.append(blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac v1").digest())
+            self.key_ids.append(
+                blake3.blake3(material, derive_key_context="lmcache-vllm 2026 chunk mac key id").hexdigest()[:16])
+        self._key = self._keys[0]
+        self.key_id = self.key_ids[0]  # the signing key's
 
     def compute(self, signed_header: bytes, payload: ChunkBytes) -> bytes:
-        h = self._blake3(signed_header, key=self._key)
+        """The MAC with the signing key (the first)."""
+        return self._mac(self._key, signed_header, payload)
+
+    def _mac(self, key: bytes, signed_header: bytes, payload: ChunkBytes) -> bytes:
+        h = self._blake3(signed_header, key=key)
         h.update(payload)
         return h.digest()
+
+    def verify(self, signed_header: bytes, payload: ChunkBytes, tag: bytes) -> bool:
+        """Whether `tag` is the MAC of these bytes with any of the keys (compared as bytes, in constant time;
+        a chunk signed with an older key of the list costs one more pass)."""
+        if len(tag) != MAC_SIZE:
+            return False
+        return any(hmac.compare_digest(self._mac(key, signed_header, payload), tag) for key in self._keys)
 
 
 @dataclass(frozen=True)
@@ -343,7 +364,7 @@ def verify_payload(header: ChunkHeader, payload: ChunkBytes, mac: Optional[Chunk
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.payload_len}")
     if checksum(payload) != header.checksum:
         raise CorruptEntry(f"payload checksum mismatch for {header.key!r}")
-    if mac is not None and not hmac.compare_digest(mac.compute(header.signed_header, payload), header.mac):
+    if mac is not None and not mac.verify(header.signed_header, payload, header.mac):
         metrics.inc("unauthenticated_chunks")
         raise UnauthenticatedEntry(f"chunk {header.key!r} has no valid MAC for our secret")
 

@@ -5,7 +5,9 @@ it, plus one line in `LOWER_TIERS`.
 
 `chunk_mac` resolves the optional MAC secret of the lower tiers' chunks: `extra_config.chunk_mac_key`,
 else the `LMCACHE_VLLM_CHUNK_MAC_KEY` environment variable (preferred: vLLM logs its
-kv_connector_extra_config at start-up).
+kv_connector_extra_config at start-up); either may be a list of keys (comma-separated in the environment),
+the first signing, any verifying: a key rotation. Each must hold at least 128 bits (`ConfigError` otherwise;
+the configuration checks the variable at load too, `config.loader`).
 
 Tiers others can write (`unprotected_tiers`: Redis, which every instance and anyone who reaches it can
 write; a disk directory configured as shared) without a MAC key let anyone plant KV the model reads:
@@ -25,7 +27,8 @@ import os
 from typing import Callable, Mapping, Optional
 
 from lmcache_vllm.config import ConfigError, LMCacheConfig
-from lmcache_vllm.config.fields import Problem
+from lmcache_vllm.config.extra import MAC_KEY_ENV, check_mac_keys, env_mac_keys
+from lmcache_vllm.config.fields import MISSING, Problem
 from lmcache_vllm.memory import HostAllocator
 from lmcache_vllm.observability import logs
 from lmcache_vllm.storage.base import StorageBackend
@@ -40,7 +43,6 @@ from lmcache_vllm.storage.transfer.sockets import bind_address
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
-MAC_KEY_ENV = "LMCACHE_VLLM_CHUNK_MAC_KEY"
 TRANSFER_PORT = "transfer port"  # a prefill instance's KV transfer server (storage/transfer/server.py)
 
 # The lower tiers, fastest first: a read asks them in this order, a write goes to every one enabled (P2P's
@@ -52,8 +54,14 @@ LOWER_TIERS: tuple[type[StorageBackend], ...] = (ColdCPUBackend, LocalDiskBacken
 def chunk_mac(config: LMCacheConfig, environ: Optional[Mapping[str, str]] = None) -> Optional[ChunkMac]:
     """The keyed MAC for chunks on disk and in Redis, or None when no secret is configured."""
     environ = os.environ if environ is None else environ
-    secret = config.extra_config.chunk_mac_key or environ.get(MAC_KEY_ENV) or None
-    return ChunkMac(secret) if secret else None
+    keys = config.extra_config.chunk_mac_key or env_mac_keys(environ)
+    if not keys:
+        return None
+    problem = check_mac_keys(keys)
+    if problem is not None:
+        where = "extra_config.chunk_mac_key" if config.extra_config.chunk_mac_key else MAC_KEY_ENV
+        raise ConfigError([Problem(where, MISSING, problem)])
+    return ChunkMac(keys)
 
 
 def unprotected_tiers(config: LMCacheConfig, mac: Optional[ChunkMac]) -> dict[str, str]:

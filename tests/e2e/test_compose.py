@@ -6,7 +6,8 @@ Three servers, each `MultiConnector[LMCacheConnector, ExampleConnector]`:
   default `kv_load_failure_policy` ('fail', so one warning). It serves repeated prompts from our cache, shows our
   metrics at `/metrics`, publishes our events with vLLM's mediums, honours a request's `max_load_tokens`, and
   neither holds nor pulls for kv_transfer_params.
-- P and D (`pd: auto`, which is on beside ExampleConnector), driven by vLLM's own toy proxy: D pulls the prompt's
+- P and D (`pd: auto`, which is on beside ExampleConnector; PD configured explicitly without a key: each one's
+  `pd_peers` lists both transfer ports, `pd_port` fixed), driven by vLLM's own toy proxy: D pulls the prompt's
   KV from P through our transfer servers.
 
 Like with like (lmcache_vllm/integration/vllm/testing/reference.py): every server and the reference (vLLM alone,
@@ -30,7 +31,7 @@ import pytest
 # toy_proxy: test_pd_protocol's fixture (vLLM's own toy proxy) in front of this module's prefill and decode
 from test_pd_protocol import metric, nudge_and_scrape, peer_hits, tokens_of, toy_proxy  # noqa: F401
 
-from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, scrape, serve
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, free_port, post, scrape, serve
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
@@ -97,24 +98,30 @@ def server_a(tiny_model, tmp_path_factory, events_endpoint, reference):
         yield base, log, example_dir
 
 
+P_PORT, D_PORT = free_port(), free_port()  # P's and D's transfer ports, the ones pd_peers lists
+
+
 def pd_server(tiny_model, tmp: Path, extra_config: dict, threads_bind: str):
     example_dir = tmp / "example"
     example_dir.mkdir()
-    transfer = multi_config({"extra_config": {"pd_host": "127.0.0.1", **extra_config}}, example_dir,
-                            kv_load_failure_policy="recompute")
+    peers = [f"127.0.0.1:{P_PORT}", f"127.0.0.1:{D_PORT}"]
+    transfer = multi_config({"extra_config": {"pd_host": "127.0.0.1", "pd_peers": peers, **extra_config}},
+                            example_dir, kv_load_failure_policy="recompute")
     return serve(tiny_model, server_args(transfer), tmp, h.vllm_env(tmp, multiprocessing=True,
                                                                      threads_bind=threads_bind))
 
 
 @pytest.fixture(scope="module")
 def prefill(tiny_model, tmp_path_factory, reference):
-    with pd_server(tiny_model, tmp_path_factory.mktemp("e2e_compose_p"), {"pd_hold_secs": 20.0}, "0") as server:
+    with pd_server(tiny_model, tmp_path_factory.mktemp("e2e_compose_p"), {"pd_hold_secs": 20.0, "pd_port": P_PORT},
+                   "0") as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def decode(tiny_model, tmp_path_factory, prefill):
-    with pd_server(tiny_model, tmp_path_factory.mktemp("e2e_compose_d"), {"pd_pull_timeout_secs": 3.0}, "1") as server:
+    with pd_server(tiny_model, tmp_path_factory.mktemp("e2e_compose_d"),
+                   {"pd_pull_timeout_secs": 3.0, "pd_port": D_PORT}, "1") as server:
         yield server
 
 

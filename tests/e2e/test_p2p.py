@@ -23,7 +23,7 @@ import e2e_harness as h
 import pytest
 
 from lmcache_vllm.config.remote_url import parse_remote_url
-from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, post, scrape, serve
+from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, free_port, post, scrape, serve
 from lmcache_vllm.storage.redis.client import ClientSettings, sync_client
 
 pytest.importorskip("vllm")
@@ -37,6 +37,10 @@ MAX_TOKENS = 8
 PULL_TIMEOUT_S = 10.0
 TP, BIND = 2, "0|1"  # one core per rank, the same in every process
 PREFIX = f"e2e-p2p-{uuid.uuid4().hex[:8]}:"
+# Each instance's P2P ports (p2p_init_ports, rank r: port + r), and the peers both trust without a key: each
+# other's ports and nothing else (pd_peers; loopback is nobody's by default).
+A_PORT, B_PORT = free_port(), free_port()
+PEERS = [f"127.0.0.1:{A_PORT}-{A_PORT + TP - 1}", f"127.0.0.1:{B_PORT}-{B_PORT + TP - 1}"]
 
 
 def server_args(extra: dict) -> list[str]:
@@ -51,9 +55,9 @@ def directory(redis_server) -> str:
     return redis_server.url
 
 
-def p2p_config(directory: str) -> dict:
-    return {"enable_p2p": True, "p2p_host": "127.0.0.1", "max_local_cpu_size": 0.25,
-            "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX,
+def p2p_config(directory: str, port: int) -> dict:
+    return {"enable_p2p": True, "p2p_host": "127.0.0.1", "p2p_init_ports": [port], "max_local_cpu_size": 0.25,
+            "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX, "pd_peers": PEERS,
                              "p2p_pull_timeout_secs": PULL_TIMEOUT_S, "p2p_lease_secs": 30.0,
                              # a loaded CI machine may answer slower than the default 0.5 s (a miss here)
                              "p2p_lookup_timeout_secs": 2.0}}
@@ -71,21 +75,21 @@ def reference(tiny_model, tmp_path_factory):
     return {name: h.phase(result, name)[0] for name in ("shared", "shared_again", "killed")}
 
 
-def instance(model: str, tmp: Path, directory: str) -> Iterator[tuple[str, Path]]:
-    """`lmcache-vllm serve` with P2P on, TP 2: (base URL, log path)."""
+def instance(model: str, tmp: Path, directory: str, port: int) -> Iterator[tuple[str, Path]]:
+    """`lmcache-vllm serve` with P2P on, TP 2, its ranks' transfer servers on `port` and `port + 1`."""
     env = h.vllm_env(tmp, multiprocessing=True, threads_bind=BIND)
-    with serve(model, server_args(p2p_config(directory)), tmp, env) as (base, log):
+    with serve(model, server_args(p2p_config(directory, port)), tmp, env) as (base, log):
         yield base, log
 
 
 @pytest.fixture(scope="module")
 def instance_a(tiny_model, tmp_path_factory, directory, reference):
-    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory)
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_a"), directory, A_PORT)
 
 
 @pytest.fixture(scope="module")
 def instance_b(tiny_model, tmp_path_factory, directory, instance_a):
-    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory)
+    yield from instance(tiny_model, tmp_path_factory.mktemp("e2e_p2p_b"), directory, B_PORT)
 
 
 def complete(base: str, model: str, prompt: list[int]) -> dict:

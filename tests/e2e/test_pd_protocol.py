@@ -1,5 +1,7 @@
 """End to end disaggregated prefill with vLLM's protocol: two `lmcache-vllm serve` processes (kv_both, no Redis)
-and examples/pd_proxy.py in front of them, on the tiny local model.
+and examples/pd_proxy.py in front of them, on the tiny local model, configured as docs/DISAGGREGATED.md shows
+first: `extra_config.pd: on` and one chunk MAC key in both environments (P signs its params, D pulls only
+from signed params, every request and chunk between them carries the MAC).
 
 The proxy sends each prompt to the prefill instance P (max_tokens 1, `kv_transfer_params: do_remote_decode`),
 then to the decode instance D with the params P answered; D pulls the prompt's KV from P's transfer server.
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import e2e_harness as h
 import pytest
+from ci import skip_or_fail
 
 from lmcache_vllm.integration.vllm.testing.openai_server import free_port, post, scrape, serve
 from lmcache_vllm.integration.vllm.testing.vllm_sources import TOY_PROXY, SourceUnavailable, vllm_source_file
@@ -59,6 +62,12 @@ HELD_PROMPTS = 12  # P's pd_max_held_bytes: the KV of this many PROMPT_LEN promp
 TINY_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # the tiny model: layers x K/V x KV heads x head size x bf16
 PULL_TIMEOUT_S = 3.0  # pd_pull_timeout_secs of D
 P_STATE = "lmcache_vllm:pd_holds"
+FLEET_KEY = "e2e-pd-fleet-key-0123456789abcdef"  # LMCACHE_VLLM_CHUNK_MAC_KEY of P and D
+
+
+def pd_env(tmp: Path, core: str) -> dict[str, str]:
+    """A vLLM server's environment with the fleet's chunk MAC key (where docs/SECURITY.md says to put it)."""
+    return {**h.vllm_env(tmp, multiprocessing=True, threads_bind=core), "LMCACHE_VLLM_CHUNK_MAC_KEY": FLEET_KEY}
 
 
 def server_args(model: str, extra: dict, max_batched: int) -> list[str]:
@@ -85,9 +94,9 @@ def reference(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prefill(tiny_model, tmp_path_factory, reference):
     tmp = tmp_path_factory.mktemp("e2e_pdp_p")
-    extra = {"extra_config": {"pd_host": "127.0.0.1", "pd_hold_secs": HOLD_S, "pd_max_held_bytes":
+    extra = {"extra_config": {"pd": "on", "pd_host": "127.0.0.1", "pd_hold_secs": HOLD_S, "pd_max_held_bytes":
                               (HELD_PROMPTS * PROMPT_LEN + PROMPT_LEN // 2) * TINY_BYTES_PER_TOKEN}}
-    env = h.vllm_env(tmp, multiprocessing=True, threads_bind="0")
+    env = pd_env(tmp, "0")
     with serve(tiny_model, server_args(tiny_model, extra, PROMPT_LEN - 1), tmp, env) as (base, log):
         yield base, log
 
@@ -95,8 +104,8 @@ def prefill(tiny_model, tmp_path_factory, reference):
 @pytest.fixture(scope="module")
 def decode(tiny_model, tmp_path_factory, prefill):
     tmp = tmp_path_factory.mktemp("e2e_pdp_d")
-    extra = {"extra_config": {"pd_host": "127.0.0.1", "pd_pull_timeout_secs": PULL_TIMEOUT_S}}
-    env = h.vllm_env(tmp, multiprocessing=True, threads_bind="1")
+    extra = {"extra_config": {"pd": "on", "pd_host": "127.0.0.1", "pd_pull_timeout_secs": PULL_TIMEOUT_S}}
+    env = pd_env(tmp, "1")
     with serve(tiny_model, server_args(tiny_model, extra, 2048), tmp, env) as (base, log):
         yield base, log
 
@@ -136,9 +145,7 @@ def toy_proxy(prefill, decode, tmp_path_factory):
     try:
         script = vllm_source_file(TOY_PROXY)
     except SourceUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM's toy proxy is needed in CI: {exc}")
-        pytest.skip(f"vLLM's toy proxy unavailable here: {exc}")
+        skip_or_fail(f"vLLM's toy proxy unavailable here: {exc}")
     proc, base = start_proxy(prefill[0], int(decode[0].rsplit(":", 1)[1]), tmp_path_factory.mktemp("e2e_pdp_toy"),
                              script)
     yield base
@@ -309,7 +316,11 @@ def test_a_prefill_instance_at_its_hold_cap_answers_without_params(prefill, tiny
     assert metric(p, "pd_holds_expired_total") - metric(before, "pd_holds_expired_total") == HELD_PROMPTS
 
 
-def test_other_tp_size_is_refused_clearly_and_recomputed(prefill, decode, reference, tiny_model):
+def test_params_changed_on_the_way_are_refused_and_the_prefill_instance_gets_nothing(prefill, decode, reference,
+                                                                                     tiny_model):
+    """P's signed params with another TP size (ports added): D refuses them (the signature covers every field),
+    recomputes the prompt, and sends P nothing, not even a RELEASE (issue 39 #3); P's hold waits for the real
+    params, with which D then releases it (the prompt is in D's L1 by now: nothing left to pull)."""
     p0, d0 = scrape(prefill[0]), scrape(decode[0])
     answer = post(f"{prefill[0]}/v1/completions", body(tiny_model, TP_PROMPT, max_tokens=1,
                                                        kv_transfer_params={"do_remote_decode": True}))
@@ -318,12 +329,16 @@ def test_other_tp_size_is_refused_clearly_and_recomputed(prefill, decode, refere
     forged = dict(params, tp_size=2, lmcache_vllm=dict(params["lmcache_vllm"], ports=[port, free_port()]))
     answer = post(f"{decode[0]}/v1/completions", body(tiny_model, TP_PROMPT, kv_transfer_params=forged))
     assert tokens_of(answer) == reference["tp"]  # recomputed here: the right tokens
-    assert "tensor_parallel_size=2, this decode instance 1" in Path(decode[1]).read_text()
+    assert "does not verify" in Path(decode[1]).read_text()
     failures = metric(d0, "pd_pull_failures_total") + 1
     d = nudge_and_scrape(decode[0], tiny_model, lambda m: metric(m, "pd_pull_failures_total") >= failures, 20)
     assert metric(d, "pd_pull_failures_total") == failures
     assert peer_hits(d) == peer_hits(d0)  # nothing was pulled
-    p = assert_no_holds(prefill, tiny_model)  # D told P at once: released, not expired
+    time.sleep(1.5)  # a RELEASE would have gone out by now; P's counts reach its API server with its next steps:
+    p = nudge_and_scrape(prefill[0], tiny_model, lambda m: False, 3)  # a few steps
+    assert metric(p, "pd_holds") == 1 and metric(p, "pd_holds_released_total") == metric(p0, "pd_holds_released_total")
+    post(f"{decode[0]}/v1/completions", body(tiny_model, TP_PROMPT, kv_transfer_params=params))  # the real ones
+    p = assert_no_holds(prefill, tiny_model)  # released by D
     assert metric(p, "pd_holds_expired_total") == metric(p0, "pd_holds_expired_total")
 
 

@@ -195,6 +195,24 @@ def test_per_request_hints_skip_save_and_pin_a_prefix(server):
     assert total(got, "refused_request_hints_total") - total(before, "refused_request_hints_total") == 1
 
 
+def test_a_plain_clients_remote_decode_is_not_held_by_default(server):
+    """Issue 39 #4: in the default configuration (kv_both, pd: auto, no key, no pd_peers) any client's
+    `do_remote_decode: true` held a unique prompt's chunks for 30 s (up to half of L1) and was answered with the
+    instance's host, transfer ports and engine id. Now: no hold, no params, counted."""
+    base, model, log = server
+    before = _scrape(base)
+
+    def refused(scraped: dict) -> float:
+        return sum(v for (n, _), v in scraped.items() if n == "lmcache_vllm:pd_remote_decode_refused_total")
+
+    answer = _post(f"{base}/v1/completions", {"model": model, "prompt": h.random_tokens(49, 600), "max_tokens": 1,
+                                              "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert not answer.get("kv_transfer_params"), answer.get("kv_transfer_params")  # no address, no engine id
+    got = _wait_for(base, lambda m: refused(m) > refused(before))
+    assert refused(got) - refused(before) == 1, log
+    assert got.get(("lmcache_vllm:pd_holds", ""), 0) == 0
+
+
 def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):
     base, model, log = server
     prompt = h.random_tokens(42, 600)

@@ -67,7 +67,7 @@ def model_inputs(model_name: Optional[str], config: LMCacheConfig) -> dict[str, 
                     "the name (set extra_config.cache_namespace to tell versions apart)", name)
     mac = chunk_mac(config)
     return {"scheme": PAGE_KEY_SCHEME, "model": name, "weights": weights_signature(files),
-            "namespace": config.extra_config.cache_namespace or "", "chunk_mac": mac.key_id if mac else ""}
+            "namespace": config.extra_config.cache_namespace or "", "chunk_mac": "keyed" if mac else ""}
 
 
 def readable_name(model_name: Optional[str], namespace: Optional[str]) -> str:

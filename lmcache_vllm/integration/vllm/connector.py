@@ -39,6 +39,7 @@ from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_vllm.config import LMCacheConfig, load_config
+from lmcache_vllm.config.peers import ip_literal
 from lmcache_vllm.cpu_affinity import set_background_cpus
 from lmcache_vllm.integration.vllm.chunk_size import with_chunk_size
 from lmcache_vllm.integration.vllm.composition import find_composition, register_connector
@@ -56,7 +57,7 @@ from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache_vllm.integration.vllm.parallelism import ParallelLayout, TPFailureAgreement, check_supported, worker_layout
 from lmcache_vllm.integration.vllm.pd.params import advertised_host, bind_host
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler
-from lmcache_vllm.integration.vllm.pd.trust import PeerTrust, host_warnings, pd_scope
+from lmcache_vllm.integration.vllm.pd.trust import PeerTrust, host_warnings, own_addresses, pd_scope
 from lmcache_vllm.integration.vllm.scheduler import SchedulerHalf
 from lmcache_vllm.integration.vllm.stats import LMCacheConnectorStats, LMCachePromMetrics, take_stats
 from lmcache_vllm.integration.vllm.threads import background_cpus_for
@@ -110,8 +111,7 @@ def build_cache_engine(config: LMCacheConfig, vllm_config: "VllmConfig", kv_cach
     caches = list(kv_caches.values())
     hasher = ChunkHasher(config.resolved_chunk_size, config.pre_caching_hash_algorithm)
     mac = chunk_mac(config)
-    identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace,
-                              mac_key_id=mac.key_id if mac else None)
+    identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_keyed=mac is not None)
     logger.info("cache keys of this model: %s@%s (fingerprint of its effective config, revision, dtypes, "
                 "weights signature and namespace)", identity.name, identity.fingerprint)
     keys = KeyBuilder(model=identity.name, world_size=layout.tp_size, rank=layout.tp_rank,
@@ -132,9 +132,19 @@ def pd_trust(config: LMCacheConfig, vllm_config: "VllmConfig", tp_size: int) -> 
     mac = chunk_mac(config)
     scope = ""
     if mac is not None:  # signed params name the model's keys: a signature for another model does not pass
-        identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_key_id=mac.key_id)
+        identity = model_identity(vllm_config, namespace=config.extra_config.cache_namespace, mac_keyed=True)
         scope = pd_scope(identity.fingerprint, tp_size, config.resolved_chunk_size)
-    return PeerTrust(config.extra_config.pd_peers, mac, scope)
+    pd_host = config.extra_config.pd_host
+    advertised = advertised_host(pd_host)  # what this instance names in its own params (vLLM's IP for 0.0.0.0)
+    own = own_addresses(bind_host(pd_host)) | (frozenset({advertised}) if ip_literal(advertised) else frozenset())
+    return PeerTrust(config.extra_config.pd_peers, mac, scope, own_addresses=own)
+
+
+def pd_explicit(config: LMCacheConfig, mac: object) -> bool:
+    """Whether disaggregated prefill is configured explicitly, so that any client's do_remote_decode is held
+    for: `pd: on` with a chunk MAC key, or `pd_peers` (else only a proxy holding the key is)."""
+    extra = config.extra_config
+    return (extra.pd == "on" and mac is not None) or bool(extra.pd_peers)
 
 
 class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -187,12 +197,19 @@ class LMCacheConnector(KVConnectorBase_V1, SupportsHMA):
             pd = PDScheduler(engine_id=instance_id, host=advertised_host(self.config.extra_config.pd_host),
                              chunk_size=self.config.resolved_chunk_size, tp_size=world_size,
                              ask_ports=lambda: client.command("pd_port"), can_load=self.can_load,
-                             can_save=self.can_save, trust=pd_trust(self.config, vllm_config, world_size),
+                             can_save=self.can_save, trust=(trust := pd_trust(self.config, vllm_config, world_size)),
                              hold_s=self.config.extra_config.pd_hold_secs, grouped=plan.multi,
-                             namespaced_params=composition.namespaced_params) if pd_on else None
+                             namespaced_params=composition.namespaced_params,
+                             hold_for_any_client=pd_explicit(self.config, trust.mac)) if pd_on else None
             if pd is not None and self.can_save:
                 for warning in host_warnings(pd.host):
                     logger.warning(warning)
+            if pd is not None and self.config.extra_config.pd == "on" and pd.trust.mac is None \
+                    and not pd.hold_for_any_client:
+                logger.warning("disaggregated prefill: extra_config.pd is on, but without a chunk MAC key or "
+                               "extra_config.pd_peers this instance holds for no request and pulls from no other "
+                               "instance: set LMCACHE_VLLM_CHUNK_MAC_KEY on every instance, or list their "
+                               "transfer ports in pd_peers (docs/DISAGGREGATED.md)")
             self._scheduler = SchedulerHalf(self.config, block_size=block_size, lookup_client=client,
                                             can_load=self.can_load, can_save=self.can_save, pd=pd,
                                             groups=SchedulerGroups(plan.groups, self.config.resolved_chunk_size)

@@ -14,8 +14,10 @@ first 16 bytes (hex) of sha256 over the canonical JSON of ("model-fingerprint/v1
   file's size and leaves all sampled blocks alone (e.g. a few tensors fine-tuned in place) — set
   `extra_config.cache_namespace` then;
 - `extra_config.cache_namespace`, the user's name for whatever else we cannot see;
-- the id of the chunk MAC secret, when one is set (`storage.registry.chunk_mac`): servers with another
-  secret (or none) never look up, and so never delete as unauthenticated, each other's chunks.
+- whether chunks carry a MAC (`storage.registry.chunk_mac`): servers without a key never look up, and so
+  never delete as unauthenticated, the chunks of servers with one. Not which key: a fleet rotates its key
+  (a list of keys, the new one first) without changing a single cache key; fleets with different keys on
+  one tier set different `cache_namespace`s (else each deletes the other's chunks as unauthenticated).
 The readable name is the HF `model_type` ("llama"), prefixed by the namespace when one is set.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _kv_scales(vllm_config: "VllmConfig") -> list[list[Any]]:
 
 
 def model_identity(vllm_config: "VllmConfig", namespace: str | None = None,
-                   mac_key_id: str | None = None) -> ModelIdentity:
+                   mac_keyed: bool = False) -> ModelIdentity:
     """The identity of the model vLLM serves (see the module docstring)."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
@@ -62,7 +64,7 @@ def model_identity(vllm_config: "VllmConfig", namespace: str | None = None,
         "kv_cache_dtype": cache_dtype,
         "kv_cache_dtype_skip_layers": list(getattr(cache_config, "kv_cache_dtype_skip_layers", []) or []),
         "namespace": namespace or "",
-        "chunk_mac": mac_key_id or "",
+        "chunk_mac": "keyed" if mac_keyed else "",
     }
     if load_format == "dummy":
         inputs["seed"] = model_config.seed  # dummy weights are drawn from it

@@ -80,11 +80,13 @@ class RequestTracker:
         self._token_array = np.empty(0, dtype=np.int64)
         # Disaggregated prefill. Prefill side: hold the prompt's chunks for a decode instance (and whether
         # the hold went out). Decode side: where the prompt's KV waits, whether this instance still has to
-        # pull or release it (`remote_open`), vLLM's own hit when asked, and the pull of the planned load.
+        # pull or release it (`remote_open`), whether its host name is still being resolved
+        # (`remote_pending`), vLLM's own hit when asked, and the pull of the planned load.
         self.holds_for_peer = False
         self.hold_emitted = False
         self.remote: RemotePrefill | None = None
         self.remote_open = False
+        self.remote_pending = False
         self.remote_computed = 0
         self.peer_load: PeerSpec | None = None
 

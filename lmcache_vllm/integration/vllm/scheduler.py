@@ -47,7 +47,7 @@ from lmcache_vllm.config import LMCacheConfig
 from lmcache_vllm.integration.vllm.groups import SchedulerGroups
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupClient, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, PeerHoldSpec, SaveSpec
-from lmcache_vllm.integration.vllm.pd.params import wants_remote_prefill
+from lmcache_vllm.integration.vllm.pd.params import RemotePrefill, wants_remote_prefill
 from lmcache_vllm.integration.vllm.pd.scheduler import PDScheduler, peer_spec
 from lmcache_vllm.integration.vllm.request_hints import SchedulerHints
 from lmcache_vllm.integration.vllm.request_keys import RequestKeys, UncacheableRequest
@@ -105,6 +105,8 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.pd is not None and wants_remote_prefill(request.kv_transfer_params):
             tracker = self._tracker(request)
+            if tracker.remote_pending and not self._resolve_remote(tracker, request):
+                return None, False  # its prefill instance's name is being resolved: vLLM asks again next step
             if tracker.remote_open and tracker.remote is not None:
                 # Everything the prefill instance computed beyond vLLM's own hit, pulled asynchronously.
                 tracker.remote_computed = num_computed_tokens
@@ -253,6 +255,7 @@ class SchedulerHalf:
         self._forget(request.request_id)
         params = None
         if self.pd is not None:
+            self.pd.forget(request.request_id)
             if tracker is None:  # e.g. refused by the API server before it was ever scheduled
                 self.pd.abandoned(request)
             elif tracker.remote_open and tracker.remote is not None:
@@ -312,11 +315,20 @@ class SchedulerHalf:
             tracker = self._trackers[request.request_id] = self._new_tracker(request)
             tracker.max_load_tokens = max_load_tokens_of(request.request_id, request.kv_transfer_params)
             if self.pd is not None:
-                cacheable = tracker.extra is not None
-                tracker.holds_for_peer = self.pd.should_hold(request, cacheable)
-                tracker.remote = self.pd.remote_prefill(request, cacheable)
-                tracker.remote_open = tracker.remote is not None
+                tracker.holds_for_peer = self.pd.should_hold(request, tracker.extra is not None)
+                tracker.remote_pending = True
+                self._resolve_remote(tracker, request)
         return tracker
+
+    def _resolve_remote(self, tracker: RequestTracker, request: "Request") -> bool:
+        """Reads the request's remote prefill (`PDScheduler.remote_prefill`) into its tracker; False while
+        the prefill instance's name is still being resolved (off this thread)."""
+        assert self.pd is not None
+        remote = self.pd.remote_prefill(request, tracker.extra is not None)
+        if isinstance(remote, RemotePrefill) or remote is None:
+            tracker.remote, tracker.remote_open, tracker.remote_pending = remote, remote is not None, False
+            return True
+        return False
 
     def _new_tracker(self, request: "Request") -> RequestTracker:
         try:
@@ -376,8 +388,6 @@ class SchedulerHalf:
         """Save what became computable this step: KV of tokens [0, kv_end) exists after it."""
         if not self.can_save or tracker.extra is None or self.hints.skip_save(tracker):
             return
-        if tracker.remote is not None and not tracker.remote.stores_through:
-            return  # KV pulled from a peer not trusted to write the shared tiers (pd/trust.py): it stays in L1
         if computed_before < tracker.saved_end:
             # vLLM rolled the request back (failed load): what we thought saved may not be.
             tracker.saved_end = floor_to(computed_before, self.chunk_size)

@@ -5,7 +5,9 @@ Keys and addresses only, never KV. One layout for one server, a Sentinel master 
 
     {prefix}servers          SET   the id of every registered server (one per TP rank of each instance)
     {prefix}{<sid>}:info     HASH  host, port, instance, rank, tp, spaces: where server <sid> serves and the key
-                                   spaces (a key without its digest: model, TP size and rank, format) it holds
+                                   spaces (a key without its digest: model, TP size and rank, format) it holds;
+                                   with a chunk MAC key also sig and expires (Unix time): a signature that
+                                   ends, renewed with the lease, so an entry copied from a dead server dies
     {prefix}{<sid>}:chunks   SET   8-byte ids (xxh3_64 of the key string) of the chunks server <sid> holds
 
 A server's two keys share a hash tag, so a cluster keeps them on one node; the servers' sets spread over the
@@ -14,10 +16,13 @@ so a dead instance's entries expire with its lease, whatever their number. An 8-
 one pointer and a small string per chunk (docs/P2P.md gives `MEMORY USAGE` per chunk); two keys with the same
 id would only make a wrong hint, which the pull's check of each chunk's key turns into a miss.
 
-A lookup reads the servers (a set and one HGETALL each, cached for `servers_ttl_s`; a server whose info is gone
-is dropped from the set) and asks each candidate's chunk set about every id in one SMISMEMBER, all in one
-pipeline (redis-py's cluster pipeline sends each node its share). Every call is bounded by the caller's
-timeout; redis-py's errors reach the caller (the tier counts them as misses).
+A lookup reads the servers (cached for `servers_ttl_s`) and asks each candidate's chunk set about every id in
+one SMISMEMBER, all in one pipeline (redis-py's cluster pipeline sends each node its share). Whoever can write
+that Redis can write the directory, so what a lookup reads of it is bounded: at most `MAX_SERVERS` ids of the
+set of servers (SSCAN), and of each info hash only its known fields, read by a script that answers nothing
+when they hold more than `MAX_INFO_BYTES` (a server whose info is gone is dropped from the set; one too large
+or malformed is skipped). Every call is bounded by the caller's timeout; redis-py's errors reach the caller
+(the tier counts them as misses).
 """
 from __future__ import annotations
 
@@ -29,6 +34,17 @@ import xxhash
 
 SPACE_SEP = "\n"
 BATCH = 1000  # ids per SADD / SREM / SMISMEMBER
+MAX_SERVERS = 1024  # server ids a lookup reads from the set of servers
+MAX_INFO_BYTES = 1 << 16  # bytes of one server's info fields a lookup reads
+INFO_FIELDS = ("host", "port", "instance", "rank", "tp", "spaces", "sig", "expires")
+# The known fields of an info hash, or nil when they hold more than ARGV[#ARGV] bytes (atomic: no value
+# can grow between the check and the read).
+_READ_INFO = """
+local total = 0
+for i = 1, #ARGV - 1 do total = total + redis.call('HSTRLEN', KEYS[1], ARGV[i]) end
+if total > tonumber(ARGV[#ARGV]) then return false end
+return redis.call('HMGET', KEYS[1], unpack(ARGV, 1, #ARGV - 1))
+"""
 
 
 def chunk_id(key: str) -> bytes:
@@ -69,17 +85,19 @@ class ServerInfo:
     tp: int
     spaces: frozenset[str] = frozenset()
     sig: str = ""  # with a chunk MAC key: hex of the MAC over `signed_bytes` (the tier signs and checks it)
+    expires: int = 0  # with a chunk MAC key: the signature's end (Unix time)
 
     def mapping(self) -> dict[str, str]:
         fields = {"host": self.host, "port": str(self.port), "instance": self.instance, "rank": str(self.rank),
                   "tp": str(self.tp), "spaces": SPACE_SEP.join(sorted(self.spaces))}
-        return {**fields, "sig": self.sig} if self.sig else fields
+        return {**fields, "sig": self.sig, "expires": str(self.expires)} if self.sig else fields
 
     def signed_bytes(self) -> bytes:
-        """What a signature covers: every field a puller acts on, each length-prefixed (no separator to forge)."""
-        out = bytearray(b"lmcache-vllm p2p server v1")
+        """What a signature covers: every field a puller acts on and the signature's end, each
+        length-prefixed (no separator to forge)."""
+        out = bytearray(b"lmcache-vllm p2p server v2")
         for field in (self.sid, self.host, str(self.port), self.instance, str(self.rank), str(self.tp),
-                      SPACE_SEP.join(sorted(self.spaces))):
+                      SPACE_SEP.join(sorted(self.spaces)), str(self.expires)):
             data = field.encode("utf-8")
             out += len(data).to_bytes(4, "little") + data
         return bytes(out)
@@ -87,15 +105,16 @@ class ServerInfo:
     @classmethod
     def parse(cls, sid: str, fields: dict[Any, Any]) -> Optional[ServerInfo]:
         """The info of `sid` as stored, or None when it is gone or malformed (a hint: never trusted further)."""
-        got = {_text(k): _text(v) for k, v in (fields or {}).items()}
+        got = {_text(k): _text(v) for k, v in (fields or {}).items() if v is not None}
         try:
             port, rank, tp = int(got["port"]), int(got["rank"]), int(got["tp"])
+            expires = int(got.get("expires", "0"))
         except (KeyError, ValueError):
             return None
-        if not got.get("host") or not 0 < port < 65536 or not 0 <= rank < tp:
+        if not got.get("host") or not 0 < port < 65536 or not 0 <= rank < tp or not 0 <= expires < 1 << 40:
             return None
         spaces = frozenset(s for s in got.get("spaces", "").split(SPACE_SEP) if s)
-        return cls(sid, got["host"], port, got.get("instance", ""), rank, tp, spaces, got.get("sig", ""))
+        return cls(sid, got["host"], port, got.get("instance", ""), rank, tp, spaces, got.get("sig", ""), expires)
 
 
 class Directory:
@@ -156,23 +175,38 @@ class Directory:
         await pipe.execute()
 
     # ------------------------------------------------------------------ lookups
+    async def server_ids(self) -> list[str]:
+        """At most `MAX_SERVERS` ids of the set of servers (SSCAN: never the whole of a set someone filled)."""
+        sids: set[str] = set()
+        cursor = 0
+        while True:
+            cursor, batch = await self.client.sscan(servers_key(self.prefix), cursor, count=256)
+            sids.update(_text(s) for s in batch)
+            if not cursor or len(sids) >= MAX_SERVERS:
+                break
+        return sorted(sids)[:MAX_SERVERS]
+
     async def servers(self, *, fresh: bool = False) -> list[ServerInfo]:
-        """Every live server (cached for `servers_ttl_s`); ids whose info expired are dropped from the set."""
+        """Every live server (cached for `servers_ttl_s`; see the module docstring for the bounds); ids whose
+        info expired are dropped from the set, infos too large or malformed skipped."""
         if not fresh and time.monotonic() - self._servers_at < self.servers_ttl_s:
             return self._servers
-        sids = sorted(_text(s) for s in await self.client.smembers(servers_key(self.prefix)))
+        sids = await self.server_ids()
         found: list[ServerInfo] = []
         if sids:
             pipe = self._pipe()
             for sid in sids:
-                pipe.hgetall(info_key(self.prefix, sid))
+                pipe.eval(_READ_INFO, 1, info_key(self.prefix, sid), *INFO_FIELDS, MAX_INFO_BYTES)
             infos = await pipe.execute()
             gone = []
-            for sid, fields in zip(sids, infos):
+            for sid, values in zip(sids, infos):
+                if values is None:  # too large: skipped (not ours to delete)
+                    continue
+                fields = dict(zip(INFO_FIELDS, values)) if isinstance(values, list) else {}
                 info = ServerInfo.parse(sid, fields)
-                if info is None:
+                if info is None and all(v is None for v in fields.values()):
                     gone.append(sid)
-                else:
+                elif info is not None:
                     found.append(info)
             if gone:
                 await self.client.srem(servers_key(self.prefix), *gone)

@@ -3,10 +3,11 @@
 metrics (`PeerLabels`), and which server each stretch of a hit is pulled from (`plan_pulls`).
 
 Trust follows disaggregated prefill's rule: a peer is trusted when its chunks are authenticated by the chunk MAC
-(a secret is set: every chunk is verified with it), or when its address is loopback or in
-`extra_config.pd_peers` (addresses, networks in CIDR notation, or host names resolved once at start: the one
-allow-list of instances this one pulls from, disaggregated prefill's too). The directory is a hint written
-by whoever can write that Redis: without a MAC, an address it names is connected to only if trusted here.
+(a secret is set: every chunk is verified with it), or when `extra_config.pd_peers` lists its address and port
+(addresses, networks in CIDR notation, or host names resolved once at start, each with its transfer ports: the
+one allow-list of instances this one pulls from, disaggregated prefill's too). Loopback is nobody's by default.
+The directory is a hint written by whoever can write that Redis: without a MAC, an address and port it names
+is connected to only if listed here.
 """
 from __future__ import annotations
 
@@ -14,38 +15,49 @@ import ipaddress
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
 
-from lmcache_vllm.config.peers import PeerEntry, ip_literal, parse_peer
+from lmcache_vllm.config.peers import IPAddress, PeerEntry, ip_literal, parse_peer
 from lmcache_vllm.storage.p2p.directory import ServerInfo
 
 MAX_LABELS = 16  # distinct peers named in metric labels; later ones are "other"
 
 
 class PeerTrust:
-    """`trust(host)`: whether chunks from (or requests of) `host` (an address, as the directory or a socket
-    names it) may be used without a MAC: loopback, or an entry of `extra_config.pd_peers` (parsed by
-    `config.peers.parse_peer`, the same rule disaggregated prefill applies; a host name is resolved once, here:
-    no DNS on the read path)."""
+    """Which peers are trusted without a MAC (see the module docstring): `pulls(host, port)`, whether to
+    connect to the server the directory names; `serves(host)`, whether to serve chunks to a peer connecting
+    from `host` (its source port says nothing: any port of a listed host or network). `host` is an address,
+    as the directory or a socket names it; a name listed in `pd_peers` is resolved once, here: no DNS on the
+    read path."""
 
     def __init__(self, peers: Sequence[str], *, resolve: Callable[[str], str] = socket.gethostbyname):
         self.entries: list[PeerEntry] = []
         for peer in peers:
             entry = parse_peer(peer)  # checked at config load: a bad entry never gets here
-            self.entries.append(entry)
-            if entry.name is not None:
-                try:
-                    self.entries.append(parse_peer(resolve(entry.name)))
-                except (OSError, ValueError):
-                    pass  # a name that does not resolve now trusts nothing
+            if entry.name is None:
+                self.entries.append(entry)
+                continue
+            try:
+                address = ipaddress.ip_address(resolve(entry.name))
+            except (OSError, ValueError):
+                continue  # a name that does not resolve now trusts nothing
+            self.entries.append(replace(entry, network=ipaddress.ip_network(address), name=None))
 
-    def __call__(self, host: str) -> bool:
-        address = ip_literal(host)
-        if address is None:
-            return False  # the directory names addresses; anything else is trusted by nobody
+    @staticmethod
+    def _address(host: str) -> Optional[IPAddress]:
+        address = ip_literal(host)  # the directory names addresses; anything else is trusted by nobody
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        return address.is_loopback or any(entry.matches(host, address) for entry in self.entries)
+            return address.ipv4_mapped
+        return address
+
+    def pulls(self, host: str, port: int) -> bool:
+        address = self._address(host)
+        return address is not None and any(entry.allows(host, address, port) for entry in self.entries)
+
+    def serves(self, host: str) -> bool:
+        address = self._address(host)
+        return address is not None and any(entry.matches_host(host, address) for entry in self.entries)
 
 
 class Backoff:

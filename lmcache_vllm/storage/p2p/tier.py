@@ -28,7 +28,6 @@ instance of the same model at another TP size is named once in a warning (its ch
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import secrets
@@ -65,6 +64,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.1  # withdrawals are written at least this often; additions at once (batched while one is written)
 MAX_REMEMBERED = 8192  # keys whose holders a lookup found, kept for the pull that follows
 BACKED_OFF = ("timeout", "unreachable", "corrupt", "refused")  # pull failures that are the peer's
+SIGNATURE_SKEW_S = 30.0  # a directory entry's signature is taken this long past its end (clocks differ)
 
 
 def _safe(name: str) -> str:
@@ -95,8 +95,8 @@ class P2PTier(StorageBackend):
 
     @classmethod
     def writable_by_others(cls, config: LMCacheConfig) -> Optional[str]:
-        return ("every instance trusted as a peer (loopback, extra_config.pd_peers) serves chunks this one "
-                "loads" if config.enable_p2p else None)
+        return ("every instance trusted as a peer (extra_config.pd_peers) serves chunks this one loads"
+                if config.enable_p2p else None)
 
     def __init__(self, config: LMCacheConfig, *, mac: Optional[ChunkMac] = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -114,6 +114,7 @@ class P2PTier(StorageBackend):
         self.lookup_timeout_s = extra.p2p_lookup_timeout_secs
         self.pull_timeout_s = extra.p2p_pull_timeout_secs
         self.write_timeout_s = extra.remote_timeout_secs
+        self.lease_s = extra.p2p_lease_secs
         self.refresh_s = extra.p2p_lease_secs / 3
         self.trust = PeerTrust(extra.pd_peers)
         self.backoff = Backoff(extra.p2p_peer_backoff_secs, clock=clock)
@@ -142,7 +143,7 @@ class P2PTier(StorageBackend):
             return
         if self.serve_disk:
             self._disk = next((t for t in tiers if isinstance(t, LocalDiskBackend)), None)
-        keyed = KeyedChunks(self._chunk_for_peer, mac=self.mac, trusted=self.trust,
+        keyed = KeyedChunks(self._chunk_for_peer, mac=self.mac, trusted=self.trust.serves,
                             on_missing=self.adverts.discard_many, send_lease_s=self.pull_timeout_s,
                             serde=self.serde)
         port = 0
@@ -232,7 +233,7 @@ class P2PTier(StorageBackend):
             self._registered = spaces
         elif renew:
             info_kept, chunks_kept = await self.directory.refresh(sid)
-            if not info_kept:
+            if not info_kept or self.mac is not None:  # signed: a fresh signature, its end pushed on
                 await self.directory.register(self._signed(self.info))
             if not chunks_kept and len(self.adverts):
                 self._dirty = True
@@ -294,13 +295,29 @@ class P2PTier(StorageBackend):
         return [tuple(by_sid[s] for s in held if key_space(k) in by_sid[s].spaces) for k, held in zip(keys, sids)]
 
     def _signed(self, info: ServerInfo) -> ServerInfo:
-        """`info` with its signature when a chunk MAC key is set (peers connect only to signed entries)."""
-        return info if self.mac is None else replace(info, sig=self.mac.compute(info.signed_bytes(), b"").hex())
+        """`info` with its signature when a chunk MAC key is set (peers connect only to signed entries), valid
+        for two leases (renewed every third of one)."""
+        if self.mac is None:
+            return info
+        info = replace(info, expires=int(time.time() + 2 * self.lease_s))
+        return replace(info, sig=self.mac.compute(info.signed_bytes(), b"").hex())
+
+    def _signature_verifies(self, server: ServerInfo) -> bool:
+        """Whether `server`'s entry carries a signature of a key this instance verifies with, not expired.
+        Compared as bytes: whatever a writer put into `sig` (not hex, not ASCII) is a bad entry, skipped."""
+        assert self.mac is not None
+        try:
+            tag = bytes.fromhex(server.sig)
+        except ValueError:
+            return False
+        if time.time() > server.expires + SIGNATURE_SKEW_S:
+            return False
+        return self.mac.verify(replace(server, sig="").signed_bytes(), b"", tag)
 
     def _usable(self, server: ServerInfo) -> bool:
         """Whether to pull from `server`: never this instance, nor a peer backing off; and, since whoever can
         write the directory's Redis names the addresses, only an address entry signed with the chunk MAC key,
-        or without a key a trusted address (loopback, extra_config.pd_peers): no connection we did not mean."""
+        or without a key an address and port extra_config.pd_peers lists: no connection we did not mean."""
         assert self.info is not None
         if server.instance == self.info.instance:
             return False  # never pull from this instance
@@ -309,12 +326,12 @@ class P2PTier(StorageBackend):
             return False
         if ip_literal(server.host) is None:
             return self._skip(server, "untrusted", "its directory entry names no IP address")
-        if self.mac is not None and not hmac.compare_digest(self._signed(replace(server, sig="")).sig, server.sig):
+        if self.mac is not None and not self._signature_verifies(server):
             return self._skip(server, "unsigned", "its directory entry is not signed with this instance's chunk "
-                              "MAC key (another key, or written by someone without one)")
-        if self.mac is None and not self.trust(server.host):
-            return self._skip(server, "untrusted", "without a chunk MAC key only loopback and "
-                              "extra_config.pd_peers are trusted")
+                              "MAC key (another key, or written by someone without one), or its signature expired")
+        if self.mac is None and not self.trust.pulls(server.host, server.port):
+            return self._skip(server, "untrusted", "without a chunk MAC key only the addresses and ports "
+                              "extra_config.pd_peers lists are trusted")
         return True
 
     def _skip(self, server: ServerInfo, reason: str, why: str) -> bool:

@@ -12,24 +12,23 @@ instance does not send (it lacks it, answers an error, sends something corrupt, 
 `timeout_s` between two messages: a dead or frozen instance) is answered None: a miss, which the load reports
 to vLLM for recompute. Every outcome is counted (`pd_pull_*`), and the tier always tells the prefill instance
 it is done (RELEASE; also when the pull is cancelled before it connected), so its hold ends at once instead
-of at its lease. `send_release` does that for callers that never pulled, from a thread of its own: a RELEASE
-never blocks vLLM's step, and it connects to an address (no name lookup). Text from the peer (its ERR detail)
-is escaped before it is logged (`logs.peer_text`); metrics are labelled with the peer's bounded label.
+of at its lease. `send_release` does that for callers that never pulled, from a thread of its own
+(`releases.py`: a queue per destination, connections opened without blocking): a RELEASE never blocks vLLM's
+step, nor waits behind another destination's, and it connects to an address (no name lookup). Text from the
+peer (its ERR detail) is escaped before it is logged (`logs.peer_text`); metrics are labelled with the peer's
+bounded label.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import queue
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lmcache_vllm.config.peers import check_request_id, ip_literal
-from lmcache_vllm.cpu_affinity import enter_background_cpus
 from lmcache_vllm.memory import AllocFn, MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage import codec
@@ -37,6 +36,7 @@ from lmcache_vllm.storage.base import StorageBackend, release_objs
 from lmcache_vllm.storage.codec import ChunkMac, CorruptEntry
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.transfer import wire
+from lmcache_vllm.storage.transfer.releases import Releases
 from lmcache_vllm.storage.transfer.server import tune
 
 logger = logging.getLogger(__name__)
@@ -70,46 +70,14 @@ class PeerSource:
         return socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
 
-class _Releases:
-    """One daemon thread that sends queued RELEASEs (fire and forget: a dead instance loses nothing, its hold
-    expires). Nothing a peer does ends the thread, and a dead one is started again by the next `put`."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[PeerSource, Optional[ChunkMac], float]] = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def put(self, source: PeerSource, mac: Optional[ChunkMac]) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lmcache-pd-release", daemon=True)
-                self._thread.start()
-        self._queue.put((source, mac, time.monotonic()))
-
-    def _run(self) -> None:
-        enter_background_cpus()
-        while True:
-            source, mac, queued = self._queue.get()
-            if time.monotonic() - queued > RELEASE_MAX_AGE_S:
-                continue
-            try:
-                with socket.socket(source.family, socket.SOCK_STREAM) as sock:
-                    sock.settimeout(RELEASE_TIMEOUT_S)
-                    sock.connect((source.host, source.port))  # an address: no name lookup on this thread
-                    sock.sendall(wire.frame_bytes(wire.encode_request(wire.RELEASE, source.req_id, mac=mac)))
-            except OSError:
-                pass
-            except Exception:  # never a dead thread: the hold expires anyway
-                logs.warn(logger, "pd_release_failed", "RELEASE to %s:%d failed", source.host, source.port,
-                          exc_info=True)
-
-
-_RELEASES = _Releases()
+_RELEASES = Releases(timeout_s=RELEASE_TIMEOUT_S, max_age_s=RELEASE_MAX_AGE_S)
 
 
 def send_release(source: PeerSource, mac: Optional[ChunkMac] = None) -> None:
-    """Tells a prefill instance it may drop its hold for `source.req_id`, without waiting for it."""
-    _RELEASES.put(source, mac)
+    """Tells a prefill instance it may drop its hold for `source.req_id`, without waiting for it
+    (`releases.Releases`: per-destination queues, non-blocking connects)."""
+    _RELEASES.put(source.host, source.port,
+                  wire.frame_bytes(wire.encode_request(wire.RELEASE, source.req_id, mac=mac)))
 
 
 def _release_when_done(obj: MemoryObj, fut: asyncio.Future[None]) -> None:

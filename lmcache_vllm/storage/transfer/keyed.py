@@ -25,7 +25,7 @@ from lmcache_vllm.memory import MemoryObj
 from lmcache_vllm.observability import logs, metrics
 from lmcache_vllm.storage.codec import ChunkBytes, ChunkMac
 from lmcache_vllm.storage.coders import NAIVE
-from lmcache_vllm.storage.transfer.holds import Checkout, HoldState
+from lmcache_vllm.storage.transfer.holds import Checkout, DuplicateKey, HoldState
 from lmcache_vllm.storage.transfer.serde import wire_coder
 from lmcache_vllm.storage.transfer.wire import chunk_header, chunk_parts
 
@@ -52,15 +52,22 @@ class KeyedChunks:
 
     def checkout(self, keys: Iterable[str], peer_host: str) -> Checkout:
         """`keys` is consumed lazily: an untrusted peer's request never becomes strings, and the walk stops
-        at the first key L1 lacks (reported to `on_missing`, alone)."""
+        at the first key L1 lacks (reported to `on_missing`, alone). `DuplicateKey` (nothing kept) for a key
+        named twice: each repeat would be sent again (and, with p2p_serve_disk, read from disk again)."""
         if self.mac is None and not self._trusted(peer_host):
-            logs.warn(logger, "p2p_untrusted_fetch", "P2P: refused chunks to %s: not a trusted peer (loopback, "
+            logs.warn(logger, "p2p_untrusted_fetch", "P2P: refused chunks to %s: not a trusted peer ("
                       "extra_config.pd_peers) and no chunk MAC key is set", logs.peer_text(peer_host))
             metrics.inc("p2p_refused_fetches")
             return Checkout(HoldState.UNKNOWN, [])
         objs: list[MemoryObj] = []
         found: list[str] = []
+        seen: set[str] = set()
         for key in keys:
+            if key in seen:
+                for taken in objs:
+                    taken.ref_down()
+                raise DuplicateKey(f"key {len(found)} of the FETCH repeats an earlier one")
+            seen.add(key)
             obj = self._get(key)
             if obj is None:
                 # Only this key is known to be gone: a peer that names a key we never held before keys we hold

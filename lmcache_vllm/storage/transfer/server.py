@@ -19,7 +19,9 @@ ERR auth (or, a RELEASE, ignored), and its connection closed.
 What a peer can make it spend before its request is authenticated is bounded (`wire.RequestReader`): one
 thread (`lmcache-pd-transfer`, a `selectors` loop: any file descriptor number) reads every connection's
 request, each part's length checked against its bound before a byte of it is kept, the bytes of all
-requests being read within `max_request_buffer`, each request whole within `request_timeout_s` of its
+requests being read or not yet answered (a pull parked on its hold keeps its request) within
+`max_request_buffer` (the connections reading or parked longest are closed first), each request whole
+within `request_timeout_s` of its
 first byte or of the connection's last answer (a peer that sends a byte now and then, or nothing, is
 dropped). At most `max_connections` connections are open; when they all are, the one waiting longest for
 its request (or parked on a request id unknown here) is closed to make room, and only a server whose every
@@ -67,7 +69,7 @@ class _Connection:
     since: float  # monotonic: when its current phase began
     phase: str = _READING
     reader: wire.RequestReader = field(default_factory=wire.RequestReader)
-    reserved: int = 0  # bytes of `max_request_buffer` its request being read holds
+    reserved: int = 0  # bytes of `max_request_buffer` its request holds (being read, or parked on a thread)
     evicted: bool = False
 
     @property
@@ -105,7 +107,7 @@ class TransferServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._connections: set[_Connection] = set()
-        self._buffered = 0  # bytes reserved by requests being read (loop thread only)
+        self._buffered = 0  # bytes reserved by requests being read or parked (under `_lock`)
         self._returned: queue.SimpleQueue[_Connection] = queue.SimpleQueue()  # served, reading again
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -221,17 +223,19 @@ class TransferServer:
         except wire.PeerProtocolError as exc:
             self._refuse(conn, "bad_request", b"bad_request", str(exc))
             return
-        self._reserve(conn, 0)
         conn.reader = wire.RequestReader()
         if not wire.verify_request(request, self.mac):
             self._refuse(conn, "auth", b"auth" if request.op != wire.RELEASE else None,
                          "the request's MAC does not verify", request.req_id)
             return
         if request.op == wire.RELEASE:
+            self._unreserve(conn)
             self.holds.release(request.req_id)
             with self._lock:
                 conn.since = time.monotonic()
             return
+        # A PULL or FETCH keeps its bytes reserved until it is answered: a pull parked on its hold (or on a
+        # request id unknown here) holds its request's memory like one being read.
         self._selector.unregister(conn.sock)
         with self._lock:
             conn.phase, conn.since = _PENDING, time.monotonic()
@@ -240,22 +244,36 @@ class TransferServer:
 
     def _reserve(self, conn: _Connection, nbytes: int) -> None:
         """Sets what `conn`'s request being read holds of `max_request_buffer`; over it, the connections
-        reading longest are closed first."""
-        self._buffered += nbytes - conn.reserved
-        conn.reserved = nbytes
-        while self._buffered > self.max_request_buffer:
+        reading or parked longest are closed first."""
+        while True:
             with self._lock:
-                others = [c for c in self._connections if c.phase == _READING and c.reserved and c is not conn]
-            if not others:
-                return
-            victim = min(others, key=lambda c: c.since)
-            with self._lock:
+                self._buffered += nbytes - conn.reserved
+                conn.reserved = nbytes
+                nbytes = conn.reserved
+                if self._buffered <= self.max_request_buffer:
+                    return
+                others = [c for c in self._connections
+                          if c.phase in _EVICTABLE and c.reserved and c is not conn and not c.evicted]
+                if not others:
+                    return
+                victim = min(others, key=lambda c: c.since)
                 victim.evicted = True
                 self._connections.discard(victim)
+                buffered = self._buffered
             metrics.inc("pd_server_refusals", reason="evicted")
-            logs.warn(logger, "pd_evicted", "KV transfer server: requests being read hold %d bytes; %s closed to "
-                      "make room", self._buffered, victim.peer)
-            self._forget(victim)
+            logs.warn(logger, "pd_evicted", "KV transfer server: requests being read or parked hold %d bytes; %s "
+                      "(%s) closed to make room", buffered, victim.peer, victim.phase)
+            if victim.phase == _READING:  # ours (the loop's): closed now
+                self._forget(victim)
+            else:  # a pull's thread parks on it: its bytes go back now, the thread sees `evicted` and closes it
+                self._unreserve(victim)
+                self._shutdown(victim.sock)
+
+    def _unreserve(self, conn: _Connection) -> None:
+        """`conn`'s request holds nothing of `max_request_buffer` any more (any thread)."""
+        with self._lock:
+            self._buffered -= conn.reserved
+            conn.reserved = 0
 
     def _drop_late(self) -> None:
         """Closes the connections whose request is not whole `request_timeout_s` after they began waiting."""
@@ -288,8 +306,7 @@ class TransferServer:
         """Closes a connection of the loop (its slot and reserved bytes go back)."""
         with self._lock:
             self._connections.discard(conn)
-        self._buffered -= conn.reserved
-        conn.reserved = 0
+        self._unreserve(conn)
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -314,6 +331,7 @@ class TransferServer:
             keep = self._fetch(conn, request) if request.op == wire.FETCH else self._pull(conn, request)
         except Exception:  # a bug here must not leak the connection or kill the server
             logs.warn(logger, "pd_server_error", "KV transfer connection error", exc_info=True)
+        self._unreserve(conn)
         with self._lock:
             keep = keep and not conn.evicted and not self._stop.is_set() and conn in self._connections
             if keep:
@@ -360,7 +378,12 @@ class TransferServer:
         """Answers one FETCH (P2P) from `by_key`; False when the connection is no good any more."""
         with self._lock:
             conn.phase = _SENDING
-        checkout = self.by_key(request.iter_keys(), conn.host) if self.by_key is not None else None
+        try:
+            checkout = self.by_key(request.iter_keys(), conn.host) if self.by_key is not None else None
+        except DuplicateKey as exc:
+            metrics.inc("pd_server_refusals", reason="bad_request")
+            self._reply(conn, wire.error_reply(b"bad_request", str(exc)))
+            return False
         if checkout is None or checkout.state != HoldState.READY:
             return self._reply(conn, wire.error_reply(b"auth", "this instance serves no P2P chunks to this peer"))
         return self._send(conn, request, checkout)

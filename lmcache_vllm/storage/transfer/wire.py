@@ -42,7 +42,6 @@ names the fields of the scope that differ, `key_mismatch`).
 """
 from __future__ import annotations
 
-import hmac
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -173,9 +172,12 @@ def request_auth(mac: Optional[ChunkMac], op: bytes, req_id: bytes, scope: bytes
     length (no two requests sign the same bytes; the suffixes are hashed where they are, not copied)."""
     if mac is None:
         return b""
+    return mac.compute(_request_signed(op, req_id, scope, suffixes), suffixes)
+
+
+def _request_signed(op: bytes, req_id: bytes, scope: bytes, suffixes: bytes | bytearray) -> bytes:
     fields = (b"lmcache-vllm transfer request", PROTOCOL, op, req_id, scope)
-    signed = b"".join(_U64.pack(len(f)) + f for f in fields) + _U64.pack(len(suffixes))
-    return mac.compute(signed, suffixes)
+    return b"".join(_U64.pack(len(f)) + f for f in fields) + _U64.pack(len(suffixes))
 
 
 def split_keys(keys: Sequence[str]) -> tuple[str, bytes]:
@@ -303,9 +305,9 @@ def verify_request(request: PeerRequest, mac: Optional[ChunkMac]) -> bool:
     """Whether the request carries our MAC (always true without a secret)."""
     if mac is None:
         return True
-    expected = request_auth(mac, request.op, request.req_id.encode("utf-8"), request.scope.encode("utf-8"),
-                            request.suffixes)
-    return hmac.compare_digest(expected, request.auth)
+    signed = _request_signed(request.op, request.req_id.encode("utf-8"), request.scope.encode("utf-8"),
+                             request.suffixes)
+    return mac.verify(signed, request.suffixes, request.auth)
 
 
 def key_mismatch(held_key: str, asked_key: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -33,6 +34,8 @@ PARAMS_KEY = "lmcache_vllm"
 MAX_PROMPT_TOKENS = 1 << 31
 MAX_CHUNK_SIZE = 1 << 20
 _SIG_CONTEXT = b"lmcache-vllm pd params v1"
+_PROXY_CONTEXT = b"lmcache-vllm pd proxy v1"
+PROXY_AUTH_S = 60  # how long a proxy's authorization of a request to a prefill instance is valid
 _U32 = struct.Struct("<I")
 
 
@@ -48,7 +51,7 @@ class PDRefusal(ValueError):
 class RemotePrefill:
     """Where a request's prefilled KV waits (the decode side's reading of the params). `address`, `trust`
     and `label` are `trust.PeerTrust`'s: the address D connects to (an IP literal), why it may
-    ("signed", "listed", "loopback") and the peer's metric label."""
+    ("signed", "listed", "own") and the peer's metric label."""
 
     engine_id: str
     req_id: str  # the request's id on the prefill instance: the name of its hold
@@ -64,16 +67,44 @@ class RemotePrefill:
     trust: str = ""
     label: str = "other"
 
-    @property
-    def stores_through(self) -> bool:
-        """Whether what is pulled from it may reach the shared tiers: it was verified with the MAC, or the
-        peer is listed in `pd_peers` (an unlisted loopback peer's chunks stay in L1)."""
-        return self.trust in ("signed", "listed")
-
 
 def wants_remote_decode(params: Any) -> bool:
     """The prefill side: this request's KV goes to a decode instance."""
     return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
+
+
+def proxy_params(mac: ChunkMac, now: float | None = None) -> dict[str, Any]:
+    """The kv_transfer_params a proxy holding the chunk MAC key sends a prefill instance: `do_remote_decode`
+    with an authorization valid for `PROXY_AUTH_S`, so that an instance where disaggregated prefill is not
+    configured explicitly holds the request for its decode instance (`proxy_authorized`)."""
+    expires = int((time.time() if now is None else now) + PROXY_AUTH_S)
+    return {"do_remote_decode": True, PARAMS_KEY: {"proxy_expires": expires,
+                                                   "proxy_sig": mac.compute(_proxy_bytes(expires), b"").hex()}}
+
+
+def _proxy_bytes(expires: int) -> bytes:
+    data = str(expires).encode()
+    return _U32.pack(len(_PROXY_CONTEXT)) + _PROXY_CONTEXT + _U32.pack(len(data)) + data
+
+
+def proxy_authorized(params: Any, mac: Optional[ChunkMac], now: float | None = None) -> Optional[bool]:
+    """Whether a request's `do_remote_decode` comes from a proxy holding the chunk MAC key (`proxy_params`):
+    None when it carries no authorization, False when one that does not verify (another key, expired, or
+    valid for longer than a proxy gives)."""
+    ours = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    if not isinstance(ours, Mapping) or "proxy_sig" not in ours:
+        return None
+    expires, sig = ours.get("proxy_expires"), ours.get("proxy_sig")
+    now = time.time() if now is None else now
+    if mac is None or isinstance(expires, bool) or not isinstance(expires, int) or not isinstance(sig, str):
+        return False
+    if not now - 30 <= expires <= now + PROXY_AUTH_S + 30:  # 30 s of clock skew
+        return False
+    try:
+        tag = bytes.fromhex(sig)
+    except ValueError:
+        return False
+    return mac.verify(_proxy_bytes(expires), b"", tag)
 
 
 def _namespaced(params: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -159,6 +190,8 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         if not isinstance(raw_ports, (list, tuple)) or len(raw_ports) != tp_size:
             raise ValueError("one port per TP rank of the prefill instance (tp_size of them)")
         ports = tuple(_int(p, 1, 65535, "a port") for p in raw_ports)
+        if len(set(ports)) != len(ports):
+            raise ValueError("a port named twice (each TP rank of the prefill instance has its own)")
         if params.get("remote_port") is not None and params.get("remote_port") != ports[0]:
             raise ValueError("remote_port must be rank 0's port")
         engine_id = params.get("remote_engine_id")

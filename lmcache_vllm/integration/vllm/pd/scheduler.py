@@ -1,21 +1,28 @@
 """The scheduler half's part of disaggregated prefill (docs/DISAGGREGATED.md), per request:
 
-- Prefill side (`do_remote_decode`): the request holds (`should_hold`: a saving role and keys for it); in the
-  step its prompt completes the scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts
-  into the answer (P's address, every TP rank's transfer port, asked from the workers once; all under our own
-  key with `namespaced_params`, beside another connector of a MultiConnector) or, for an aborted request,
-  drops the hold. A ledger of the holds emitted (tokens each, until the workers report the hold ended or its
-  lease is over) keeps them under the workers' cap (`extra_config.pd_max_held_bytes`, reported in tokens:
-  `heard`): a request that would go over it is not held (`admit_hold`) and answered without params, so its
-  decode instance recomputes at once, with no pull. The workers still refuse a hold over the cap when it is
-  filled (the ledger hears of ended holds a step late, and counts a partial L1 prefix as whole).
-- Decode side (`do_remote_prefill`): `remote_prefill` reads the params once and says whether this instance
-  pulls: params checked field by field (`params.py`), a prefill instance this instance may connect to
-  (`trust.py`: signed params with a chunk MAC key, else loopback or `pd_peers`), a loading role, keys for the
-  request, the same TP and chunk size, a model of one KV cache group. A refusal is logged once per reason
-  with what to change, counted in `pd_pull_failures{reason}`, and a trusted prefill instance is told at once
-  (RELEASE) so its hold does not wait for its lease; an untrusted or malformed one is sent nothing. `done_with`
-  tells it when this instance will not pull after all (nothing left to pull, the request ended first).
+- Prefill side (`do_remote_decode`): the request holds (`should_hold`: a saving role, keys for it, and a
+  request this instance holds for: any client's where disaggregated prefill is configured explicitly
+  (`hold_for_any_client`: `pd: on` with a chunk MAC key, or `pd_peers`), else only a proxy's that holds the
+  key (`params.proxy_authorized`); any other is answered without kv_transfer_params, so a plain client can
+  neither pin L1 for a lease nor learn this instance's transfer ports); in the step its prompt completes the
+  scheduler half emits a `PeerHoldSpec`; `finished` gives the params vLLM puts into the answer (P's address,
+  every TP rank's transfer port, asked from the workers once; all under our own key with
+  `namespaced_params`, beside another connector of a MultiConnector) or, for an aborted request, drops the
+  hold. A ledger of the holds emitted (tokens each, until the workers report the hold ended or its lease is
+  over) keeps them under the workers' cap (`extra_config.pd_max_held_bytes`, reported in tokens: `heard`): a
+  request that would go over it is not held (`admit_hold`) and answered without params, so its decode
+  instance recomputes at once, with no pull. The workers still refuse a hold over the cap when it is filled
+  (the ledger hears of ended holds a step late, and counts a partial L1 prefix as whole).
+- Decode side (`do_remote_prefill`): `remote_prefill` reads the params and says whether this instance pulls:
+  params checked field by field (`params.py`), a prefill instance this instance may connect to (`trust.py`:
+  signed params with a chunk MAC key, else the ports `pd_peers` lists or this instance's own), a loading
+  role, keys for the request, the same TP and chunk size, a model of one KV cache group. A host name is
+  resolved off this thread: until it is, `remote_prefill` answers `PENDING` (vLLM asks again next step), and
+  past the trust's `resolve_timeout_s` the request is refused as unresolved. A refusal is logged once per
+  reason with what to change, counted in `pd_pull_failures{reason}`, and an admitted prefill instance of the
+  same TP and chunk size is told at once (RELEASE) so its hold does not wait for its lease; anything else is
+  sent nothing. `done_with` tells it when this instance will not pull after all (nothing left to pull, the
+  request ended first).
 The releases and dropped holds reach the workers with the next step's metadata (`take_into`).
 """
 from __future__ import annotations
@@ -32,10 +39,11 @@ from lmcache_vllm.integration.vllm.pd.params import (
     check_compatible,
     parse_remote_prefill,
     prefill_params,
+    proxy_authorized,
     wants_remote_decode,
     wants_remote_prefill,
 )
-from lmcache_vllm.integration.vllm.pd.trust import PeerTrust
+from lmcache_vllm.integration.vllm.pd.trust import PENDING, PeerTrust, Pending
 from lmcache_vllm.observability import logs, metrics
 
 if TYPE_CHECKING:
@@ -45,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 _ANSWERED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # statuses of a prefill that produced its token
 _LEDGER_SLACK_S = 5.0  # a ledger entry outlives its hold's lease by this (the workers' clock runs apart)
+_OWN_PORTS_ASK_S = 30.0  # the workers are asked for this instance's own ports at most this often (decode side)
+MAX_PENDING = 4096  # requests waiting for their prefill instance's name to resolve; past it: refused
 
 
 def peer_spec(remote: RemotePrefill) -> PeerSpec:
@@ -54,14 +64,15 @@ def peer_spec(remote: RemotePrefill) -> PeerSpec:
 
 class PDScheduler:
     """See the module docstring. `ask_ports()` asks the workers for their transfer ports (None: no answer).
-    `trust`: which prefill instances this one pulls from (default: loopback only, no key); with its MAC key
-    this instance signs its own params for `trust.scope`, valid for `hold_s`. `grouped`: a model of several
-    KV cache groups (no PD on the decode side)."""
+    `trust`: which prefill instances this one pulls from (default: none but its own ports, no key); with its
+    MAC key this instance signs its own params for `trust.scope`, valid for `hold_s`. `grouped`: a model of
+    several KV cache groups (no PD on the decode side). `hold_for_any_client`: disaggregated prefill is
+    configured explicitly, so any client's `do_remote_decode` is held for (else only a key-holding proxy's)."""
 
     def __init__(self, *, engine_id: str, host: str, chunk_size: int, tp_size: int,
                  ask_ports: Callable[[], list[int] | None], can_load: bool, can_save: bool,
                  trust: PeerTrust | None = None, hold_s: float = 30.0, grouped: bool = False,
-                 namespaced_params: bool = False):
+                 namespaced_params: bool = False, hold_for_any_client: bool = False):
         self.engine_id = engine_id
         self.host = host
         self.chunk_size = chunk_size
@@ -73,7 +84,12 @@ class PDScheduler:
         self.hold_s = hold_s
         self.grouped = grouped
         self.namespaced_params = namespaced_params
+        self.hold_for_any_client = hold_for_any_client
         self._ports: list[int] | None = None
+        self._next_own_ask = 0.0
+        self._pending: dict[str, float] = {}  # request id -> when its prefill instance's name began to resolve
+        if can_save:
+            self.trust.own_ports = self._own_ports
         self._warned: set[str] = set()
         self._releases: list[PeerSpec] = []
         self._unholds: list[str] = []
@@ -87,8 +103,21 @@ class PDScheduler:
 
     # ------------------------------------------------------------------ prefill side
     def should_hold(self, request: "Request", cacheable: bool) -> bool:
-        if not wants_remote_decode(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if not wants_remote_decode(params):
             return False
+        if not self.hold_for_any_client:
+            authorized = proxy_authorized(params, self.trust.mac)
+            if not authorized:
+                reason = "not_configured" if authorized is None else "bad_proxy_auth"
+                metrics.inc("pd_remote_decode_refused", reason=reason)
+                logs.warn(logger, f"pd_remote_decode_{reason}", "request %s asks for a remote decode, which this "
+                          "instance holds only where disaggregated prefill is configured explicitly "
+                          "(extra_config.pd: on with a chunk MAC key, or extra_config.pd_peers) or for a proxy "
+                          "holding the chunk MAC key%s: answered without kv_transfer_params, its decode instance "
+                          "recomputes (counted in pd_remote_decode_refused)", logs.peer_text(request.request_id),
+                          "" if authorized is None else " (its proxy authorization does not verify)")
+                return False
         if not self.can_save or not cacheable:
             self._warn_once("cannot_hold", "request %s asks for a remote decode, but this instance %s: it "
                             "answers without kv_transfer_params and the decode instance recomputes the prompt",
@@ -103,6 +132,13 @@ class PDScheduler:
             ports = self._ask_ports()
             if ports and all(0 < p < 65536 for p in ports):
                 self._ports = list(ports)
+        return self._ports
+
+    def _own_ports(self) -> list[int] | None:
+        """This instance's ports for the trust's "own" check: asked at most every `_OWN_PORTS_ASK_S`."""
+        if self._ports is None and time.monotonic() >= self._next_own_ask:
+            self._next_own_ask = time.monotonic() + _OWN_PORTS_ASK_S
+            self.ports()
         return self._ports
 
     def finished(self, request: "Request", hold_emitted: bool) -> dict[str, Any] | None:
@@ -148,18 +184,25 @@ class PDScheduler:
         return True
 
     # ------------------------------------------------------------------ decode side
-    def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | None:
-        """Where to pull `request`'s KV from, or None (not asked for, or refused: then recomputed here)."""
+    def remote_prefill(self, request: "Request", cacheable: bool) -> RemotePrefill | Pending | None:
+        """Where to pull `request`'s KV from; None when not asked for, or refused (then recomputed here);
+        `PENDING` while the prefill instance's name is resolved (ask again next step). Never waits."""
         params = request.kv_transfer_params
         if params is None or not wants_remote_prefill(params):
             return None
         try:
-            remote = self.trust.admit(parse_remote_prefill(params))
+            remote = self._admit(request.request_id, parse_remote_prefill(params))
+            if remote is None:
+                return PENDING
         except PDRefusal as refusal:
             self._refused(request, refusal)  # nothing is sent to a peer not admitted, not even a RELEASE
             return None
         try:
             check_compatible(remote, tp_size=self.tp_size, chunk_size=self.chunk_size)
+        except PDRefusal as refusal:
+            self._refused(request, refusal)  # RELEASEs only to ports of a prefill instance of our own TP size
+            return None
+        try:
             if not self.can_load:
                 raise PDRefusal("role", "this instance does not load (kv_producer)")
             if self.grouped:
@@ -174,6 +217,24 @@ class PDScheduler:
             return None
         return remote
 
+    def _admit(self, req_id: str, remote: RemotePrefill) -> RemotePrefill | None:
+        """`trust.admit`, with the bound on a name being resolved: None while pending."""
+        admitted = self.trust.admit(remote)
+        if admitted is not None:
+            self._pending.pop(req_id, None)
+            return admitted
+        now = time.monotonic()
+        started = self._pending.setdefault(req_id, now)
+        if now - started > self.trust.resolve_timeout_s or len(self._pending) > MAX_PENDING:
+            self._pending.pop(req_id, None)
+            raise PDRefusal("unresolved", f"the prefill instance's host {remote.host} did not resolve within "
+                                          f"{self.trust.resolve_timeout_s:g}s")
+        return None
+
+    def forget(self, req_id: str) -> None:
+        """The request ended: no name is being resolved for it any more."""
+        self._pending.pop(req_id, None)
+
     def _refused(self, request: "Request", refusal: PDRefusal) -> None:
         metrics.inc("pd_pull_failures", reason=refusal.reason)
         self._warn_once(refusal.reason, "request %s: KV of its remote prefill not pulled, the prompt is "
@@ -181,11 +242,16 @@ class PDScheduler:
 
     def abandoned(self, request: "Request") -> None:
         """A request that asked for a remote prefill ended before it was looked at (vLLM's API server
-        refused it): the prefill instance may drop its hold, if it is one this instance trusts."""
+        refused it): the prefill instance may drop its hold, if it is one this instance trusts, whose address
+        is known already (nothing is resolved for it), of this instance's TP and chunk size."""
         params = request.kv_transfer_params
+        self.forget(request.request_id)
         if params is not None and wants_remote_prefill(params):
             try:
-                self.done_with(self.trust.admit(parse_remote_prefill(params)))
+                remote = self.trust.admit(parse_remote_prefill(params))
+                if remote is not None:
+                    check_compatible(remote, tp_size=self.tp_size, chunk_size=self.chunk_size)
+                    self.done_with(remote)
             except PDRefusal:
                 pass  # no address to tell, or not one to send anything to
 
