@@ -173,6 +173,59 @@ def test_a_load_thread_past_the_timeout_is_stopped_copies_nothing_more_and_is_re
         worker.shutdown()
 
 
+def test_a_copy_stuck_past_both_waits_is_recomputed_and_later_loads_too_until_it_ends():
+    caches = make_caches(True, seed=16) + make_caches(True, seed=17)  # four layers
+    engine = make_engine()
+    engine.layout = CpuVecLayout(dataclasses.replace(engine.layout.geometry, num_layers=4))
+    worker = _worker(engine, caches, load_timeout_s=0.3)
+    unstuck = threading.Event()
+    first = []
+
+    def layer_1_of_the_first_load_ignores_the_stop(layer):
+        if layer == 1 and not first:
+            first.append(layer)
+            unstuck.wait(30)  # a copy that cannot be interrupted
+
+    calls = _recording_scatter(engine, gate=layer_1_of_the_first_load_ignores_the_stop)
+
+    def step(tokens, blocks):
+        done = []
+
+        def forward():
+            worker.begin_step()
+            worker.start_load_kv(_load_meta(tokens, blocks))
+            for name in worker.layer_index:
+                worker.wait_for_layer_load(name)
+            done.append(worker.take_load_errors())
+        thread = threading.Thread(target=forward, daemon=True)
+        thread.start()
+        thread.join(30)  # a hang guard: every wait of the step is bounded
+        assert done, "the step did not return"
+        return done[0]
+
+    try:
+        a, b, c = (list(range(n, n + CHUNK)) for n in (600, 700, 800))
+        for tokens in (a, b, c):
+            _stored(engine, caches, tokens)
+        calls.clear()
+        assert step(a, [40, 41]) == {40, 41}  # the stuck load: recomputed although its copy has not ended
+        assert metrics.value("load_thread_stuck") == 1
+        assert step(b, [42, 43]) == {42, 43}  # while it is stuck: refused, not queued behind it
+        assert [layer for layer, _ in calls] == [0]
+        unstuck.set()
+        for _ in range(500):
+            if not worker.load._thread.running:
+                break
+            threading.Event().wait(0.01)
+        assert [layer for layer, _ in calls] == [0, 1]  # it stopped before layer 2
+        assert step(c, [44, 45]) == set()  # the thread serves again
+        assert torch.equal(kv_of(engine, caches, _slots([44, 45])), kv_of(engine, caches, torch.arange(CHUNK)))
+        assert metrics.value("load_thread_stuck") == 1
+    finally:
+        unstuck.set()
+        worker.shutdown()
+
+
 def test_overlap_is_on_only_where_the_load_thread_runs_beside_the_step():
     assert overlap_wanted("on", "cpu") and not overlap_wanted("off", "cpu")
     cpus = sorted(os.sched_getaffinity(0))

@@ -89,6 +89,9 @@ STABLE = [
     ("load_thread_timeouts", "counter", (),
      'Steps whose load thread did not copy a layer within blocking_timeout_secs; its loads were stopped and '
      'recomputed'),
+    ("load_thread_stuck", "counter", (),
+     'Steps whose load thread did not stop within blocking_timeout_secs after a timeout; its loads and those of '
+     'later steps while it stayed stuck were recomputed'),
     ("cuda_kernel_fallbacks", "counter", ('reason',),
      'KV layouts whose copies use the torch path on a GPU although extra_config.cuda_kernel is auto: the '
      'CUDA kernel gave other bytes than the torch path on a scratch copy of the layout (mismatch), failed to '

@@ -100,6 +100,8 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "(extra_config.overlap_loads)"),
     _c("load_thread_timeouts", "steps", "Steps whose load thread did not copy a layer within "
        "blocking_timeout_secs; its loads were stopped and recomputed"),
+    _c("load_thread_stuck", "steps", "Steps whose load thread did not stop within blocking_timeout_secs after "
+       "a timeout; its loads and those of later steps while it stayed stuck were recomputed"),
     _c("cuda_kernel_fallbacks", "layouts", "KV layouts whose copies use the torch path on a GPU although "
        "extra_config.cuda_kernel is auto: the CUDA kernel gave other bytes than the torch path on a scratch "
        "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),

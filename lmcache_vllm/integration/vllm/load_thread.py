@@ -14,7 +14,10 @@ Used only where it cannot take the forward's own time: the thread runs on the ba
 Every wait is bounded by the load timeout. A layer copy that fails drops that request's load at that layer
 (reported to the caller with the layer, as the inline layerwise path does). Should a wait time out, the thread
 is told to stop before its next layer, the step waits (bounded again) until it has, and every load still
-running is reported failed: vLLM recomputes those blocks, and no copy of ours writes them afterwards.
+running is reported failed: vLLM recomputes those blocks, and no copy of ours writes them afterwards. A copy stuck
+past both waits cannot be interrupted: its loads are reported failed all the same, its layers still to come are
+never copied (it stops before the next), and while it is stuck the next steps' loads are refused (recomputed)
+rather than queued behind it.
 """
 from __future__ import annotations
 
@@ -67,7 +70,10 @@ class LoadThread(Generic[Tag]):
         self._copied = num_layers  # layers every load of the running batch copied (all: nothing running)
         self._failures: list[tuple[Tag, Exception, int]] = []
         self._cancel = False
-        self._running = False
+        self._running = False  # a batch's `_run` has not ended (an abandoned one included)
+        self._batch = 0  # the number of the latest batch started
+        self._abandoned = 0  # the number of a batch given up while still running: its failures are reported
+        self._tags: list[Tag] = []  # the running batch's loads, reported failed should it be abandoned
 
     @property
     def running(self) -> bool:
@@ -78,11 +84,21 @@ class LoadThread(Generic[Tag]):
         if not entries:
             return
         with self._cond:
-            self._copied, self._cancel, self._running = 0, False, True
+            stuck = self._running  # only an abandoned batch is still running here
+            if stuck:
+                self._failures.extend((tag, TimeoutError("the load thread is stuck"), 0) for tag, _ in entries)
+            else:
+                self._batch += 1
+                self._copied, self._cancel, self._running = 0, False, True
+                self._tags = [tag for tag, _ in entries]
+        if stuck:  # failed_load_tokens counts them
+            for _, gen in entries:
+                gen.close()  # lets its chunks go
+            return
         metrics.inc("overlapped_loads", len(entries))
-        self._executor.submit(self._run, entries)
+        self._executor.submit(self._run, self._batch, entries)
 
-    def _run(self, entries: list[tuple[Tag, LayerGenerator]]) -> None:
+    def _run(self, batch: int, entries: list[tuple[Tag, LayerGenerator]]) -> None:
         steps: LayerSteps[Tag] = LayerSteps()
         for tag, gen in entries:
             steps.add(tag, gen)
@@ -91,24 +107,40 @@ class LoadThread(Generic[Tag]):
             while layer < self.num_layers and steps:
                 if self._cancel:
                     break
-                steps.step(functools.partial(self._failed, layer=layer))
+                steps.step(functools.partial(self._failed, batch=batch, layer=layer))
                 layer += 1
                 with self._cond:
-                    self._copied = layer
-                    self._cond.notify_all()
+                    if batch != self._abandoned:
+                        self._copied = layer
+                        self._cond.notify_all()
         finally:
             left = steps.take()  # each generator's `finally` lets its chunks go
             for _, gen in left:
                 gen.close()
             with self._cond:
-                if layer < self.num_layers:  # stopped (or failed) before the last layer: these loads are holes
+                # stopped (or failed) before the last layer: these loads are holes (an abandoned batch's
+                # loads were all reported when it was given up)
+                if layer < self.num_layers and batch != self._abandoned:
                     self._failures.extend((tag, TimeoutError("load stopped"), layer) for tag, _ in left)
-                self._copied, self._running = self.num_layers, False
+                self._copied, self._running, self._tags = self.num_layers, False, []
                 self._cond.notify_all()
 
-    def _failed(self, tag: Tag, exc: Exception, *, layer: int) -> None:
+    def _failed(self, tag: Tag, exc: Exception, *, batch: int, layer: int) -> None:
         with self._cond:
-            self._failures.append((tag, exc, layer))
+            if batch != self._abandoned:
+                self._failures.append((tag, exc, layer))
+
+    def _stopped(self) -> None:
+        """Waits (bounded, the lock held) for the running batch to stop; one that does not is abandoned: every
+        load of it is reported failed now, and the waits of this step return."""
+        if self._abandoned == self._batch or self._cond.wait_for(lambda: not self._running, self.timeout_s):
+            return  # given up before (its loads reported), or stopped
+        logger.error("the load thread did not stop within %.1fs; its loads are recomputed, and later loads "
+                     "too while it is stuck", self.timeout_s)
+        metrics.inc("load_thread_stuck")
+        self._abandoned = self._batch
+        self._failures.extend((tag, TimeoutError("the load thread is stuck"), self._copied) for tag in self._tags)
+        self._copied, self._tags = self.num_layers, []
 
     def wait(self, layer: int) -> list[tuple[Tag, Exception, int]]:
         """Waits until every running load copied `layer` (at most the timeout; past it the loads are stopped, then
@@ -121,8 +153,7 @@ class LoadThread(Generic[Tag]):
                     metrics.inc("load_thread_timeouts")
                     logger.warning("the load thread did not copy layer %d within %.1fs; its loads are stopped "
                                    "and recomputed", layer, self.timeout_s)
-                    if not self._cond.wait_for(lambda: not self._running, self.timeout_s):
-                        logger.error("the load thread did not stop within %.1fs", self.timeout_s)
+                    self._stopped()
                 metrics.inc("load_wait_seconds", time.perf_counter() - t0)
             failures, self._failures = self._failures, []
         return failures
@@ -132,8 +163,7 @@ class LoadThread(Generic[Tag]):
         (bounded) until they stopped; returns the failures not reported before, the stopped loads among them."""
         with self._cond:
             self._cancel = True
-            if not self._cond.wait_for(lambda: not self._running, self.timeout_s):
-                logger.error("the load thread did not stop within %.1fs", self.timeout_s)
+            self._stopped()
             failures, self._failures = self._failures, []
         return failures
 
