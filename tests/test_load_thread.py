@@ -9,7 +9,7 @@ import torch
 from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config
 
 from lmcache_vllm.cpu_affinity import set_background_cpus
-from lmcache_vllm.integration.vllm.load_thread import overlap_wanted
+from lmcache_vllm.integration.vllm.load_thread import LoadThread, overlap_wanted
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
 from lmcache_vllm.layouts import CpuVecLayout
@@ -224,6 +224,33 @@ def test_a_copy_stuck_past_both_waits_is_recomputed_and_later_loads_too_until_it
     finally:
         unstuck.set()
         worker.shutdown()
+
+
+def test_closing_beside_a_stuck_copy_returns_and_reports_it():
+    thread = LoadThread(num_layers=2, timeout_s=0.2)
+    unstuck, released = threading.Event(), threading.Event()
+
+    def load():
+        try:
+            unstuck.wait(30)  # layer 0's copy, which cannot be interrupted
+            yield
+            yield
+        finally:
+            released.set()
+    failures = []
+
+    def stop_then_close():
+        thread.start([("r", load())])
+        failures.extend((tag, layer) for tag, _, layer in thread.stop())
+        thread.close()
+    closed = threading.Thread(target=stop_then_close, daemon=True)
+    closed.start()
+    closed.join(30)  # a hang guard: stop and close wait (bounded) for the stop only
+    assert not closed.is_alive()
+    assert failures == [("r", 0)] and thread.stop() == []  # reported failed, once
+    assert not released.is_set()
+    unstuck.set()
+    assert released.wait(30)  # its chunks are let go when the copy ends
 
 
 def test_overlap_is_on_only_where_the_load_thread_runs_beside_the_step():

@@ -169,4 +169,6 @@ class LoadThread(Generic[Tag]):
 
     def close(self) -> None:
         self.stop()
-        self._executor.shutdown(wait=True)
+        with self._cond:
+            stuck = self._running  # a copy given up on: not waited for (every wait is bounded)
+        self._executor.shutdown(wait=not stuck, cancel_futures=True)
