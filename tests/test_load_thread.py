@@ -177,13 +177,12 @@ def test_a_copy_stuck_past_both_waits_is_recomputed_and_later_loads_too_until_it
     caches = make_caches(True, seed=16) + make_caches(True, seed=17)  # four layers
     engine = make_engine()
     engine.layout = CpuVecLayout(dataclasses.replace(engine.layout.geometry, num_layers=4))
-    worker = _worker(engine, caches, load_timeout_s=0.3)
-    unstuck = threading.Event()
-    first = []
+    worker = _worker(engine, caches, load_timeout_s=1.0)
+    stuck, unstuck = threading.Event(), threading.Event()
 
     def layer_1_of_the_first_load_ignores_the_stop(layer):
-        if layer == 1 and not first:
-            first.append(layer)
+        if layer == 1 and not stuck.is_set():
+            stuck.set()
             unstuck.wait(30)  # a copy that cannot be interrupted
 
     calls = _recording_scatter(engine, gate=layer_1_of_the_first_load_ignores_the_stop)
@@ -194,6 +193,7 @@ def test_a_copy_stuck_past_both_waits_is_recomputed_and_later_loads_too_until_it
         def forward():
             worker.begin_step()
             worker.start_load_kv(_load_meta(tokens, blocks))
+            stuck.wait(30)  # layer 0 copied, layer 1 stuck (in the first step)
             for name in worker.layer_index:
                 worker.wait_for_layer_load(name)
             done.append(worker.take_load_errors())
@@ -228,10 +228,11 @@ def test_a_copy_stuck_past_both_waits_is_recomputed_and_later_loads_too_until_it
 
 def test_closing_beside_a_stuck_copy_returns_and_reports_it():
     thread = LoadThread(num_layers=2, timeout_s=0.2)
-    unstuck, released = threading.Event(), threading.Event()
+    copying, unstuck, released = threading.Event(), threading.Event(), threading.Event()
 
     def load():
         try:
+            copying.set()
             unstuck.wait(30)  # layer 0's copy, which cannot be interrupted
             yield
             yield
@@ -241,6 +242,7 @@ def test_closing_beside_a_stuck_copy_returns_and_reports_it():
 
     def stop_then_close():
         thread.start([("r", load())])
+        copying.wait(30)
         failures.extend((tag, layer) for tag, _, layer in thread.stop())
         thread.close()
     closed = threading.Thread(target=stop_then_close, daemon=True)
