@@ -20,9 +20,10 @@ or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bo
 (`VLLM_CPU_OMP_THREADS_BIND=0`, our threads on the other cores: `extra_config.background_cpus`): vLLM alone
 (its prefix cache on), ours with defaults (L1 + disk), ours with `save_decode_cache`, ours with L1's
 `cache_policy: LIP`, ours with lossless (`ours_lossless`) and fp8 (`ours_fp8`) chunk files (the disk's codec,
-`extra_config.local_disk_serde`; default naive; these two only when `--only` names them), LMCache's server mode
-(`--vs-lmcache PYTHON`). Each of ours also replays its trace through other L1 eviction policies
-(`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
+`extra_config.local_disk_serde`; default naive; these two only when `--only` names them), ours with
+`save_decode_cache` off whatever the default (`ours_no_decode`, the base of `*_vs_ours_no_decode_ratio`; only when
+`--only` names it), LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its trace through
+other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
 
 Between the client and each server sits a recording proxy (`_chat_trace.py`): it sees every prompt's and
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
@@ -256,7 +257,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
             if row["ours_hit_tokens"]:  # the same from our counters: vLLM's own hits + what our tiers served
                 out[f"{name}.ours_counted_vs_unbounded_ratio"] = (
                     (row["vllm_prefix_cache_tokens"] + row["ours_hit_tokens"]) / row["unbounded_tokens"])
-        for base in ("vllm", "lmcache"):
+        for base in ("vllm", "lmcache", "ours_no_decode"):
             other = rows.get(base)
             if other is None or base == name:
                 continue
@@ -274,8 +275,8 @@ def main() -> None:
     def add_arguments(p) -> None:  # (the codec runs only when --only names them)
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
-        p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode ours_lip "
-                       "ours_lossless ours_fp8 lmcache")
+        p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode "
+                       "ours_no_decode ours_lip ours_lossless ours_fp8 lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
         p.add_argument("--turns", type=int, help="user turns per conversation (default 6, --quick 4)")
@@ -326,6 +327,7 @@ def main() -> None:
         tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": disk_gib}
         plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
+                ("ours_no_decode", ours({**tiers, "save_decode_cache": False}, args.chunk_size)),
                 ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
                 # the disk tier's codec (ours: naive, the default): lossless and fp8 chunk files against it
                 ("ours_lossless", ours({**tiers, "extra_config": {"local_disk_serde": "lossless"}}, args.chunk_size)),
@@ -333,8 +335,8 @@ def main() -> None:
         common = dict(model=model, w=w, conversations=conversations, script=script, num_blocks=num_blocks,
                       max_model_len=max_model_len, allowed=allowed)
         for name, kv_config in plan:
-            if (args.only and name not in args.only) or (not args.only and name in CODEC_RUNS):
-                continue
+            if (args.only and name not in args.only) or (not args.only and name in CODEC_RUNS + ("ours_no_decode",)):
+                continue  # the codecs and ours_no_decode (save_decode_cache off whatever the default) only when named
             if kv_config is not None:  # a fresh disk tier for each of ours
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:

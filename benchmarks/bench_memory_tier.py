@@ -171,6 +171,19 @@ def bench_engine(num_chunks: int, repeats: int, results: dict, isa: str = "vec")
                 ("operation", "ms", "GB/s", "ratio vs copy"))
 
 
+def cpu_kernels(results: dict) -> None:
+    """Which kernels the compiled CPU op ran (`LMCACHE_VLLM_CPU_ISA` forces a set; `ATEN_CPU_CAPABILITY` torch's
+    copy: both `avx2` emulate a CPU without AVX-512) and the task shape its first call measured."""
+    from lmcache_vllm import ops
+    ext = ops.cpu_ext()
+    if ext is None:
+        return
+    results.update(cpu_isa=ext.isa(), cpu_tasks=ext.tasks(), cpu_tasks_note=ext.tasks_note(),
+                   aten_cpu_capability=torch.backends.cpu.get_cpu_capability())
+    print(f"compiled CPU op: {ext.isa()} kernels, task shape {ext.tasks()} ({ext.tasks_note()}); torch's copy: "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+
+
 def bench_engine_cuda(num_chunks: int, repeats: int, results: dict) -> None:
     """Engine store / retrieve between vLLM's FLASH_ATTN views on a GPU and the pinned L1 arena, against a
     raw pinned copy (cudaMemcpyAsync) of the same bytes each way, measured in the same run."""
@@ -319,6 +332,7 @@ def main() -> None:
     bench_hashing(num_prompts, prompt_tokens, repeats * 3, results)
     rounds = args.rounds or repeats
     bench_engine(num_chunks, rounds, results, "vec")
+    cpu_kernels(results)
     bench_engine(num_chunks, rounds, results, "amx")
     bench_engine_cuda(num_chunks * 4, repeats, results)
     bench_storage_l1(num_chunks, repeats, results)

@@ -20,6 +20,10 @@ VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on
   LMCache's server runs at the same chunk size as ours (like with like: a larger chunk recomputes more of
   every repeat).
 - no reuse (`random`): vLLM alone and + ours with L1 + disk: what the connector costs when it cannot help.
+- with `--decode-cost`, no reuse with long answers (`random_long`: 256 generated tokens, so every answer
+  completes chunks while it decodes): vLLM alone, ours with `save_decode_cache` off and on: what storing the
+  generated tokens' KV costs a workload that never sends an answer back (`save_decode_cache_cost_ratio`,
+  throughput on / off); its gain on one that does is `bench_conversations.py --only ours ours_decode`.
 - slow tier (reuse, vLLM's prefix cache off, a small L1 over a real Redis): Redis answering, then Redis
   frozen (DEBUG SLEEP) for a while every few seconds: the TTFT of the requests that wait for it rises, the
   inter-token latency of the others should not.
@@ -69,9 +73,9 @@ def workloads(quick: bool) -> dict[str, list[str]]:
     """`vllm bench serve` dataset arguments of each workload."""
     if quick:
         return {"reuse": shared_prefixes(6, 1000, 32, 8, 24), "random": random_prompts(1000, 8, 8),
-                "slow": shared_prefixes(6, 1000, 32, 32, 24)}
+                "slow": shared_prefixes(6, 1000, 32, 32, 24), "random_long": random_prompts(1000, 256, 8)}
     return {"reuse": shared_prefixes(60, 3000, 64, 16, 180), "random": random_prompts(3000, 16, 40),
-            "slow": shared_prefixes(20, 3000, 64, 32, 60)}
+            "slow": shared_prefixes(20, 3000, 64, 32, 60), "random_long": random_prompts(3000, 256, 24)}
 
 
 def ours(extra: dict, chunk_size: int | None) -> dict:
@@ -232,6 +236,11 @@ def ratios(rows: dict) -> dict:
         # no reuse: what the connector costs
         "no_reuse_throughput_vs_vllm_ratio": r("random_ours", "random_vllm", "request_throughput"),
         "no_reuse_ttft_p99_vllm_over_ours_ratio": r("random_ours", "random_vllm", "p99_ttft_ms", True),
+        # no reuse with long answers: storing the generated tokens' KV (save_decode_cache) on against off
+        "save_decode_cache_cost_ratio": r("random_long_ours_decode", "random_long_ours", "request_throughput"),
+        "no_reuse_long_throughput_vs_vllm_ratio": r("random_long_ours", "random_long_vllm", "request_throughput"),
+        "no_reuse_long_decode_throughput_vs_vllm_ratio": r("random_long_ours_decode", "random_long_vllm",
+                                                           "request_throughput"),
         # a frozen Redis: the TTFT of those waiting rises, the inter-token latency of the others should not
         "slow_tier_itl_p99_answering_over_frozen_ratio": r("slow_redis_frozen", "slow_redis", "p99_itl_ms", True),
         "slow_tier_ttft_p99_answering_over_frozen_ratio": r("slow_redis_frozen", "slow_redis", "p99_ttft_ms", True),
@@ -273,6 +282,8 @@ def main() -> None:
         p.add_argument("--only", nargs="*", help="run only these configurations (names as in the output)")
         p.add_argument("--chunk-size", type=int, default=None,
                        help="our chunk size (default: not set, the connector's choice: vLLM's block size, 128)")
+        p.add_argument("--decode-cost", action="store_true",
+                       help="also measure save_decode_cache off and on under no reuse with long answers")
         p.add_argument("--device-kv-gib", type=int, default=None,
                        help="vLLM's KV cache of the device-limit run (default 4, --quick 1): holds every prefix")
 
@@ -318,6 +329,10 @@ def main() -> None:
                                                                   "remote_key_prefix": "frozen:"}), args.chunk_size),
              "slow", {"during": freezer(redis_url, 1.0, 4.0), "prefix_caching": False}),
         ]
+        if args.decode_cost:
+            plan += [(f"random_long_{name}", None if decode is None else ours(
+                {"max_local_cpu_size": l1_gb, **disk, "save_decode_cache": decode}, args.chunk_size), "random_long", {})
+                for name, decode in (("vllm", None), ("ours", False), ("ours_decode", True))]
         try:
             for name, kv_config, workload, opts in plan:
                 if args.only and name not in args.only:

@@ -1,7 +1,7 @@
 """Where a cached request's time goes: cProfile over warm hits of an in-process `LLM()` with the connector.
 
     python benchmarks/profile_hit.py [--quick] [--model medium|tiny] [--len N] [--hits N] [--chunk-size N]
-                                     [--top N] [--out FILE]
+                                     [--top N] [--out FILE] [--overlap-loads auto|on|off] [--ab ROUNDS]
 
 One vLLM engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, model bound to core 0 as in
 `bench_e2e_ttft.py`), our connector with L1 only. A prompt is computed once (cold, stored), then asked for
@@ -10,6 +10,13 @@ hit, the connector's own functions (cumulative time per hit: lookup, load, the c
 the top functions by cumulative and by own time. The profiler adds its own cost to every Python call, so the
 per-call Python is overstated a little against the compiled copy; compare runs of this script, not with
 timings taken without it.
+
+`--ab ROUNDS` measures instead of profiling: vLLM's prefix cache is on, and each round asks the prompt twice,
+once served by vLLM's own prefix cache (the prompt was just computed) and once by ours (vLLM's cache reset
+first, so our L1 serves the same 3840 tokens); the rounds alternate which goes first. Both run in this one
+process with the same thread binding, so the ratio of the medians (ours / vLLM's own hit) is the load's cost
+without the differences between processes; the connector's counters say how long the forward waited for the
+load thread (`load_wait_seconds`) and how long the step spent starting loads (`load_seconds`).
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timer", choices=("thread", "wall"), default="thread",
                         help="the profile's clock: this thread's CPU time (default: steadier on a shared machine, "
                              "waits not counted) or wall time")
+    parser.add_argument("--overlap-loads", choices=("auto", "on", "off"), default=None,
+                        help="extra_config.overlap_loads (default: unset, the connector's default)")
+    parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                        help="measure our hit against vLLM's own prefix-cache hit in this process (no profile)")
     args = parser.parse_args(argv)
     size = args.model or ("tiny" if args.quick else "medium")
     prompt_len = args.len or (1400 if args.quick else 3900)
@@ -65,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    extra = {"max_local_cpu_size": 2}
+    extra: dict = {"max_local_cpu_size": 2}
     if args.chunk_size:
         extra["chunk_size"] = args.chunk_size
+    if args.overlap_loads:
+        extra["extra_config"] = {"overlap_loads": args.overlap_loads}
     llm = LLM(model=str(build_model(size)), dtype="bfloat16", max_model_len=prompt_len + 256, enforce_eager=True,
-              seed=0, enable_prefix_caching=False, max_num_batched_tokens=max(8192, prompt_len + 64),
+              seed=0, enable_prefix_caching=bool(args.ab), max_num_batched_tokens=max(8192, prompt_len + 64),
               kv_transfer_config=KVTransferConfig(**dict(CONNECTOR, kv_role="kv_both",
                                                          kv_connector_extra_config=extra)))
     one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -79,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(1.0)  # the cold request's background save finishes
     out = llm.generate([prompt], one, use_tqdm=False)  # first hit: unprofiled (one-time costs)
     cached = out[0].num_cached_tokens
+    if args.ab:
+        ab_rounds(llm, prompt, one, args.ab)
+        llm.llm_engine.engine_core.shutdown()
+        return 0
     profiler = cProfile.Profile(time.thread_time if args.timer == "thread" else time.perf_counter)
     walls = []
     for _ in range(hits):
@@ -108,6 +126,53 @@ def main(argv: list[str] | None = None) -> int:
     stats.sort_stats("tottime").print_stats(args.top)
     llm.llm_engine.engine_core.shutdown()
     return 0
+
+
+def ab_rounds(llm, prompt, one, rounds: int) -> None:
+    """Our hit against vLLM's own prefix-cache hit of the same prompt, alternating, in this process."""
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_vllm.integration.vllm.testing.vllm_jobs import random_tokens
+    from lmcache_vllm.observability import metrics
+
+    short = TokensPrompt(prompt_token_ids=random_tokens(8, 16))  # never stored: only moves the engine on
+
+    def reset() -> None:
+        """Empties vLLM's own prefix cache (ours stays). vLLM frees a request's blocks once our saves of it are
+        reported over, in a later step: short requests make those steps."""
+        for _ in range(20):
+            if llm.reset_prefix_cache():
+                return
+            llm.generate([short], one, use_tqdm=False)
+            time.sleep(0.05)
+        raise RuntimeError("vLLM did not reset its prefix cache")
+
+    def hit(ours: bool) -> tuple[float, int]:
+        if ours:
+            reset()  # vLLM's own cache only: ours serves the next request
+        else:
+            llm.generate([prompt], one, use_tqdm=False)  # computed or loaded: now in vLLM's prefix cache
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], one, use_tqdm=False)
+        return time.perf_counter() - t0, out[0].num_cached_tokens
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    before = metrics.flat(metrics.snapshot())
+    for r in range(rounds):
+        for ours in ((True, False) if r % 2 else (False, True)):
+            seconds, cached = hit(ours)
+            times[ours].append(seconds)
+    after = metrics.flat(metrics.snapshot())
+    ours_s, vllm_s = statistics.median(times[True]), statistics.median(times[False])
+    waited = after.get("load_wait_seconds", 0.0) - before.get("load_wait_seconds", 0.0)
+    started = after.get("load_seconds.sum", 0.0) - before.get("load_seconds.sum", 0.0)
+    loads = after.get("load_seconds.count", 0.0) - before.get("load_seconds.count", 0.0)
+    print(f"{rounds} rounds, {cached} tokens cached per hit: ours median {ours_s * 1e3:.1f} ms (best "
+          f"{min(times[True]) * 1e3:.1f}), vLLM's own hit median {vllm_s * 1e3:.1f} ms (best "
+          f"{min(times[False]) * 1e3:.1f}); ours / vLLM's = {ours_s / vllm_s:.3f} (medians), "
+          f"{min(times[True]) / min(times[False]):.3f} (bests)")
+    print(f"per load of ours: the step started it in {1e3 * started / max(1, loads):.2f} ms, the forward waited "
+          f"{1e3 * waited / max(1, loads):.2f} ms for the load thread ({int(loads)} loads)")
 
 
 if __name__ == "__main__":

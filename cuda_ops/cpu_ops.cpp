@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <utility>
 #if defined(__SSE2__)
@@ -94,12 +95,13 @@ Isa current_isa() {
   return static_cast<Isa>(isa);
 }
 
-// How the AVX-512 vec and amx kernels split a call into tasks (`tasks()`, `set_tasks()`, env
-// LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape first
-// tuned on Intel Xeon (1.08-1.24 of a plain copy there); plane = (layer, run) head by head with the next head's
-// source prefetched into L2, which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the same
-// prefetch: ~0.75; the K^T tiles are latency-bound there). Which is faster depends on the CPU's prefetchers and
-// was never measured on every kind, so auto measures: the first call that runs these kernels times both shapes on
+// How the AVX-512 vec and amx kernels and the AVX2 vec kernels split a call into tasks (`tasks()`, `set_tasks()`,
+// env LMCACHE_VLLM_CPU_TASKS=auto|strip|plane): strip = (layer, 32-token strip) walking every head, the shape first
+// tuned on Intel Xeon (1.08-1.24 of a plain copy there; AVX2: the gather per (layer, run, head) through a staged
+// head, tuned on AMD Zen 3); plane = (layer, run) head by head with the next head's source prefetched into L2,
+// which took AMD Zen 4 from 0.5 to ~0.9 of a plain copy (strips with the same prefetch: ~0.75; the K^T tiles are
+// latency-bound there; AVX2: the gather in whole-line tiles, `gather_vec_lines_avx2`). Which is faster depends on
+// the CPU's prefetchers and was never measured on every kind, so auto measures: the first call that runs these kernels times both shapes on
 // scratch buffers of its own geometry (`measure_tasks`, once per process) and keeps the faster (`tasks_note()`
 // says what was measured).
 enum Tasks : int { kStripTasks = 0, kPlaneTasks = 1, kAutoTasks = 2 };
@@ -550,6 +552,23 @@ LMCACHE_AVX2 void move_vec_avx2(const Geometry& g, T* cache, const Segment& run,
     k2::scatter_v<T, kStream>(v.rows, W, v.region + o0 * D, 2 * bs * D, h1 - h0, D, o1 - o0);
   }
 }
+
+// AVX2, vec, plane tasks, the gather: heads [h0, h1) of a whole run, head by head, K^T in whole lines on both
+// sides (`gather_kt_lines`) with the next head's K^T lines prefetched into L2, V row by row. On AMD Zen 4 made to run
+// the AVX2 kernels (LMCACHE_VLLM_CPU_ISA=avx2, torch's copy with ATEN_CPU_CAPABILITY=avx2; a shared machine, load
+// ~3) the gather went from 0.53-0.62 (strip: the staged heads, tuned on Zen 3) to 0.76-0.92 of a plain copy, heads
+// of 128 and 64; not run on a real AVX2-only CPU. Which is faster is measured at first use (`measure_tasks`).
+template <typename T, bool kStream>
+LMCACHE_AVX2 void gather_vec_lines_avx2(const Geometry& g, T* cache, const Segment& run, int64_t h0, int64_t h1,
+                                        T* rows, int64_t plane_stride) {
+  namespace k2 = lmcache_avx2;
+  const int64_t o0 = run.first, o1 = run.first + run.len;
+  for (int64_t h = h0; h < h1; ++h) {
+    const auto [k, v] = head_planes(g, cache, run, h, rows, plane_stride);
+    k2::gather_kt_lines<T, kStream>(k.region, g.bs, g.dim, o0, o1, k.rows, g.width, h + 1 < h1 ? 2 * g.bs * g.dim : 0);
+    k2::gather_v<T, kStream>(v.region + o0 * g.dim, g.dim, v.rows, g.width, o1 - o0);
+  }
+}
 #endif
 
 #if defined(LMCACHE_HAVE_AVX512)
@@ -642,13 +661,18 @@ LMCACHE_AVX512 void move_amx_planes_avx512(const Geometry& g, T* cache, const Se
 }
 #endif
 
-// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: AVX-512 plane tasks
-// (move_vec_planes_avx512, move_amx_planes_avx512).
+// One task: both planes of heads [h0, h1) of one run (vec/amx). `planes`: plane tasks (move_vec_planes_avx512,
+// move_amx_planes_avx512; AVX2: gather_vec_lines_avx2).
 template <typename T, bool kGather>
 void move_run_heads(Isa isa, bool stream, bool planes, int64_t layout, const Geometry& g, T* cache,
                     const Segment& run, int64_t h0, int64_t h1, T* rows, int64_t plane_stride) {
 #if defined(LMCACHE_HAVE_AVX2)
   if (isa == kAvx2 && avx2_takes<T>(layout, g)) {
+    if (kGather && planes && lmcache_avx2::lines_fit<T>(g.bs, g.dim)) {
+      if (stream) gather_vec_lines_avx2<T, true>(g, cache, run, h0, h1, rows, plane_stride);
+      else gather_vec_lines_avx2<T, false>(g, cache, run, h0, h1, rows, plane_stride);
+      return;
+    }
     if (stream) move_vec_avx2<T, kGather, true>(g, cache, run, h0, h1, rows, plane_stride);
     else move_vec_avx2<T, kGather, false>(g, cache, run, h0, h1, rows, plane_stride);
     return;
@@ -739,11 +763,12 @@ void run(Isa isa, int64_t layout, const Geometry& g, const std::vector<T*>& cach
   // contiguous stretch per plane) are read or written front to back while the cache side is whole lines.
   // The AVX2 gather instead takes (layer, run, head): it reads the head's K^T front to back and writes each
   // chunk row's head segment at once (measured faster than strips on Zen 3).
-  // AVX-512 with plane tasks (current_tasks()): a task is a whole run, head by head, each head's source
-  // prefetched while the previous head moves. The runs of every chunk of the call are tasks of one pool.
-  const bool per_head = avx2 && kGather && heads > 1;
-  const bool planes = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g))) &&
-                      tasks == kPlaneTasks;
+  // Plane tasks (current_tasks()): a task is a whole run; AVX-512 moves it head by head, each head's source
+  // prefetched while the previous head moves; AVX2 gathers it so (whole-line K^T tiles) and scatters it with the
+  // strip kernels. The runs of every chunk of the call are tasks of one pool.
+  const bool planes = ((isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)))) ||
+                       avx2) && tasks == kPlaneTasks;
+  const bool per_head = avx2 && kGather && heads > 1 && !planes;
   const int64_t min_run = isa == kAvx512 && avx512_tiles<T>(layout, g) ? kMinTileRun : kMinRun;
   std::vector<Piece<T>> pieces;
   std::vector<TokenRow<T>> tokens;
@@ -801,14 +826,26 @@ Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call);
 template <typename T>
 Tasks resolve_tasks(Isa isa, int64_t layout, const Geometry& g) {
   const Tasks tasks = current_tasks();
-  const bool shaped = isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)));
+  const bool shaped = (isa == kAvx512 && (layout == kVec || (layout == kAmx && avx512_tiles<T>(layout, g)))) ||
+                      (isa == kAvx2 && avx2_takes<T>(layout, g));
   if (tasks != kAutoTasks || !shaped) return tasks == kAutoTasks ? kStripTasks : tasks;
   return measure_tasks<T>(isa, layout, g);
 }
 
+// Seconds on the clock measure_tasks uses: the calling thread's CPU time when the op runs on that thread alone (time
+// the OS gives other processes is not counted: on a busy host a preemption inside one round flipped the choice),
+// else the wall clock (the work is spread over a team of threads).
+double task_clock(bool one_thread) {
+  if (one_thread) {
+    timespec ts{};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // Times a gather and a scatter of whole blocks in each shape on scratch caches and a chunk of the call's geometry
 // (4 layers, ~24 MiB each side: beyond the caches of most CPUs, so the memory's latency shows as in real loads),
-// the best of three interleaved rounds each, and keeps the faster for the process.
+// the best of five interleaved rounds each (`task_clock`), and keeps the faster for the process.
 template <typename T>
 Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call) {
   std::lock_guard<std::mutex> lock(g_tasks_mutex);
@@ -830,19 +867,21 @@ Tasks measure_tasks(Isa isa, int64_t layout, const Geometry& call) {
   std::iota(slots.begin(), slots.end(), int64_t{0});
   const std::vector<ChunkPart<T>> parts{{static_cast<T*>(chunk.data_ptr()), 0, tokens}};
   double best[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
-  for (int round = 0; round < 3; ++round)
+  const bool one_thread = at::get_num_threads() == 1;
+  for (int round = 0; round < 5; ++round)
     for (const Tasks shape : {kStripTasks, kPlaneTasks}) {
-      const auto t0 = std::chrono::steady_clock::now();
+      const double t0 = task_clock(one_thread);
       run<T, true>(isa, layout, g, caches, parts, slots.data(), shape);
       run<T, false>(isa, layout, g, caches, parts, slots.data(), shape);
-      best[shape] = std::min(best[shape], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      best[shape] = std::min(best[shape], task_clock(one_thread) - t0);
     }
   const Tasks chosen = best[kPlaneTasks] < best[kStripTasks] ? kPlaneTasks : kStripTasks;
-  g_tasks_note = std::string("measured on ") + (layout == kVec ? "vec" : "amx") + " blocks of " +
+  g_tasks_note = std::string("measured with the ") + kIsaNames[isa] + " kernels on " + (layout == kVec ? "vec" : "amx") +
+                 " blocks of " +
                  std::to_string(g.heads) + " heads x " + std::to_string(g.dim) + ", " +
                  std::to_string(g.blocks * block_bytes * kLayers >> 20) + " MiB: strip " +
                  std::to_string(best[kStripTasks] * 1e3) + " ms, plane " + std::to_string(best[kPlaneTasks] * 1e3) +
-                 " ms (gather + scatter)";
+                 " ms (gather + scatter, " + (one_thread ? "thread CPU time" : "wall time") + ", best of 5)";
   g_tasks.store(chosen);
   return chosen;
 }
@@ -1033,6 +1072,42 @@ std::string scatter_chunks(const std::vector<torch::Tensor>& chunks, const std::
   return lmc_errors::no_throw("_cpu_ops", [&] { return dispatch<false>(caches, slots, chunks, layout, block_size); });
 }
 
+// Layers [first, first + count) of a call with every layer's caches and whole chunks [layers, ...]: a layerwise
+// load or save makes one such call per layer without building per-layer views in Python (where each view is a
+// trip through the GIL, which vLLM's forward, running beside a load, waits for).
+template <bool kGather>
+std::string dispatch_layers(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                            const std::vector<torch::Tensor>& chunks, int64_t layout, int64_t block_size,
+                            int64_t first, int64_t count) {
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  if (first < 0 || count < 1 || first > layers - count)
+    return msg("layers [", first, ", ", first + count, ") out of range [0, ", layers, ")");
+  std::vector<torch::Tensor> part_caches(caches.begin() + first, caches.begin() + first + count), part_chunks;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const torch::Tensor& c = chunks[i];
+    if (!c.defined() || c.dim() != 4 || c.size(0) != layers)
+      return msg("chunk ", i, " must be [", layers, ", planes, T, width]");
+    part_chunks.push_back(c.narrow(0, first, count));  // the leading dim: still contiguous
+  }
+  return dispatch<kGather>(part_caches, slots, part_chunks, layout, block_size);
+}
+
+std::string gather_layers(const std::vector<torch::Tensor>& caches, const torch::Tensor& slots,
+                          const std::vector<torch::Tensor>& outs, int64_t layout, int64_t block_size, int64_t first,
+                          int64_t count) {
+  return lmc_errors::no_throw("_cpu_ops", [&] {
+    return dispatch_layers<true>(caches, slots, outs, layout, block_size, first, count);
+  });
+}
+
+std::string scatter_layers(const std::vector<torch::Tensor>& chunks, const std::vector<torch::Tensor>& caches,
+                           const torch::Tensor& slots, int64_t layout, int64_t block_size, int64_t first,
+                           int64_t count) {
+  return lmc_errors::no_throw("_cpu_ops", [&] {
+    return dispatch_layers<false>(caches, slots, chunks, layout, block_size, first, count);
+  });
+}
+
 // Raises a c10::Error on purpose: run in a child process, it tells whether C++ exceptions from this extension
 // reach Python on this toolchain (tests/test_ops.py, scripts/check_cuda.sh).
 void throw_for_diagnosis() { TORCH_CHECK(false, "_cpu_ops: diagnostic exception"); }
@@ -1053,6 +1128,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_chunks", &scatter_chunks, "chunks [L, planes, T_i, width] -> paged caches, chunk i holding the "
         "next T_i slots; returns '' or an error message", py::arg("chunks"), py::arg("caches"), py::arg("slots"),
         py::arg("layout"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("gather_layers", &gather_layers, "layers [first, first + count) of gather_chunks, from every layer's caches "
+        "into whole chunks; returns '' or an error message", py::arg("caches"), py::arg("slots"), py::arg("outs"),
+        py::arg("layout"), py::arg("block_size"), py::arg("first"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_layers", &scatter_layers, "layers [first, first + count) of scatter_chunks, from whole chunks into "
+        "every layer's caches; returns '' or an error message", py::arg("chunks"), py::arg("caches"),
+        py::arg("slots"), py::arg("layout"), py::arg("block_size"), py::arg("first"), py::arg("count"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kIsaNames[current_isa()]); },
         "kernel set in use: avx512, avx2, sse2 or scalar");
   m.def("set_isa", &set_isa_checked, "use kernel set auto|avx512|avx2|sse2|scalar (tests and benchmarks); returns '' "

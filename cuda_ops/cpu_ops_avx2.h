@@ -128,6 +128,50 @@ LMCACHE_AVX2 int64_t gather_kt(const T* kt, int64_t bs, int64_t dim, int64_t cou
   return moved;
 }
 
+// Brings the lines of [p, p + bytes) towards L2 (not L1: the current tile's lines stay there).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T1);
+}
+
+// Gather of one head's K^T plane in whole 64-byte lines on both sides, tokens [o0, o1) of the block (kt: the
+// plane, element (d, o) at kt[d * bs + o]; rows: the chunk row of token o0 at the head's column 0, row stride
+// W). Steps of 2n tokens (one line of each K^T row, aligned to 2n in the block) x 2n d: four n x n tile
+// transposes, then each chunk row gets its 2n d (one line) in two adjacent 32-byte stores, so each line of
+// both sides is read or written once and at once (what the AVX-512 32x32 tiles do). A step reaching past the
+// run reads its whole lines (inside the block) and writes only the run's rows. `next`: element distance to the
+// next head's plane (0: none), whose lines of each step are prefetched into L2 meanwhile (the tile order is
+// not one the hardware prefetchers follow). Needs dim % 2n == 0 and bs % 2n == 0 (`lines_fit`).
+template <typename T>
+constexpr bool lines_fit(int64_t bs, int64_t dim) {
+  return tile<T>() > 0 && dim % (2 * tile<T>()) == 0 && bs % (2 * tile<T>()) == 0;
+}
+
+template <typename T, bool kStream>
+LMCACHE_AVX2 void gather_kt_lines(const T* kt, int64_t bs, int64_t dim, int64_t o0, int64_t o1, T* rows, int64_t W,
+                                  int64_t next) {
+  constexpr int64_t n = tile<T>(), line = 2 * n;
+  for (int64_t w = o0 / line * line; w < o1; w += line) {
+    const int64_t lo = std::max(o0, w) - w, hi = std::min(o1, w + line) - w;
+    for (int64_t d = 0; d < dim; d += line) {
+      const T* src = kt + d * bs + w;
+      if (next)
+        for (int64_t r = 0; r < line; ++r) prefetch_l2(src + next + r * bs, 64);
+      for (int64_t half = 0; half < 2; ++half) {
+        if (half * n >= hi || half * n + n <= lo) continue;
+        __m256i a[16], b[16];
+        transpose_tile<T>(src + half * n, bs, a);          // d .. d + n - 1 of tokens w + half n ..
+        transpose_tile<T>(src + n * bs + half * n, bs, b);  // d + n .. d + 2n - 1
+        const int64_t j0 = std::max<int64_t>(0, lo - half * n), j1 = std::min<int64_t>(n, hi - half * n);
+        for (int64_t j = j0; j < j1; ++j) {
+          T* row = rows + (w + half * n + j - o0) * W + d;
+          put<kStream>(row, a[j]);
+          put<kStream>(row + n, b[j]);
+        }
+      }
+    }
+  }
+}
+
 // Scatter into one head's K^T plane: chunk rows (token o at rows + o * W) -> kt[d * bs + o] for tokens
 // [0, count), count a multiple of 2 * tile<T>(): each step writes tile<T>() K^T rows x 64 bytes (whole lines
 // when kt is 64-byte aligned; kStream needs that). Needs dim % tile<T>() == 0. Meanwhile prefetches dim

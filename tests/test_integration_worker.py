@@ -214,14 +214,18 @@ def test_layerwise_load_failing_at_a_later_layer_is_a_failed_load():
     try:
         tokens, new = list(range(800, 800 + CHUNK)), list(range(9100, 9100 + CHUNK))
         assert engine.store(tokens, caches, torch.arange(CHUNK)) == CHUNK
-        real_scatter = engine.layout.scatter_layer_chunks
+        real_copier = engine.layout.layer_copier
 
-        def scatter_fails_at_layer_1(chunks, layer, *args):
-            if layer == 1:
-                raise RuntimeError("copy failed")
-            return real_scatter(chunks, layer, *args)
+        def scatter_fails_at_layer_1(gather, *args):
+            copy = real_copier(gather, *args)
 
-        engine.layout.scatter_layer_chunks = scatter_fails_at_layer_1
+            def scatter(layer):
+                if layer == 1:
+                    raise RuntimeError("copy failed")
+                copy(layer)
+            return copy if gather else scatter
+
+        engine.layout.layer_copier = scatter_fails_at_layer_1
         _failure_step(worker, tokens, new, [8, 9], [8, 9, 10, 11], layerwise=True)
         assert worker.take_load_errors() == {8, 9}  # the whole loaded range is recomputed
         assert engine.lookup(tokens + new) == CHUNK  # and nothing computed on top of it is stored

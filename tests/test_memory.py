@@ -124,6 +124,34 @@ def test_pinned_and_referenced_objects_are_not_evicted():
     x.ref_down()
 
 
+def test_an_eviction_looks_at_the_cold_end_of_the_lru_only():
+    """A full L1 evicts on every store: picking the victims must not walk (or copy) every chunk it holds."""
+    alloc = HostAllocator(1000 * KiB, pin_memory=False)
+    owner = Owner()
+    for i in range(1000):
+        owner.add(i, alloc.allocate(KiB, torch.uint8))
+    looked_at = []
+
+    class CountingLru(type(alloc._lru)):
+        def values(self):
+            for obj in super().values():
+                looked_at.append(obj)
+                yield obj
+
+        def items(self):
+            for key, obj in super().items():
+                looked_at.append(obj)
+                yield key, obj
+
+    alloc._lru = CountingLru(alloc._lru)
+    owner.entries[0].pin()  # the coldest is in use: skipped, the next two go
+    x = alloc.allocate(2 * KiB, torch.uint8)
+    assert owner.evicted == [1, 2]
+    assert len(looked_at) <= 4  # the pinned one, the two victims, and the one after them that ends the walk
+    assert list(alloc._lru)[:2] == [id(owner.entries[0]), id(owner.entries[3])]
+    x.ref_down()
+
+
 def test_non_evictable_objects_are_never_evicted():
     alloc = HostAllocator(2 * KiB, pin_memory=False)
     a = alloc.allocate(KiB, torch.uint8)

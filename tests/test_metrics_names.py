@@ -82,6 +82,16 @@ STABLE = [
      'Chunks found under their key with another shape or dtype; treated as misses'),
     ("load_seconds", "histogram", (),
      "Time to load one request's cached KV into vLLM's paged cache"),
+    ("overlapped_loads", "counter", (),
+     "Loads copied layer by layer on the load thread while vLLM's forward ran (extra_config.overlap_loads)"),
+    ("load_wait_seconds", "counter", (),
+     "Time vLLM's forward waited for layers the load thread had not copied yet (extra_config.overlap_loads)"),
+    ("load_thread_timeouts", "counter", (),
+     'Steps whose load thread did not copy a layer within blocking_timeout_secs; its loads were stopped and '
+     'recomputed'),
+    ("load_thread_stuck", "counter", (),
+     'Steps whose load thread did not stop within blocking_timeout_secs after a timeout; its loads and those of '
+     'later steps while it stayed stuck were recomputed'),
     ("cuda_kernel_fallbacks", "counter", ('reason',),
      'KV layouts whose copies use the torch path on a GPU although extra_config.cuda_kernel is auto: the '
      'CUDA kernel gave other bytes than the torch path on a scratch copy of the layout (mismatch), failed to '

@@ -6,6 +6,7 @@ switch. CUDA tests run only where a GPU and the CUDA extension exist.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -157,9 +158,10 @@ def _isas() -> list[str]:
 
 
 def _kernel_sets() -> list[str]:
-    """Every kernel set, AVX-512 once per task shape (`isa/tasks`): an AMD machine then also checks the Intel
-    shape and the other way round."""
-    return [f"{isa}/{tasks}" for isa in _isas() for tasks in (("strip", "plane") if isa == "avx512" else ("",))]
+    """Every kernel set, AVX-512 and AVX2 once per task shape (`isa/tasks`): an AMD machine then also checks the
+    Intel shape and the other way round, and an AVX-512 machine both AVX2 gathers (staged heads, whole-line tiles)."""
+    return [f"{isa}/{tasks}" for isa in _isas()
+            for tasks in (("strip", "plane") if isa in ("avx512", "avx2") else ("",))]
 
 
 def _use(kernel_set: str) -> None:
@@ -269,12 +271,25 @@ def test_several_chunks_in_one_call_match_one_call_per_chunk(restore_isa, isa, k
     assert torch.equal(raw_bytes(into_many[0]), raw_bytes(into_each[0]))
     for a, b in zip(into_many, into_each):
         assert torch.equal(bits(a), bits(b))
-    # Layer by layer (use_layerwise) into fresh chunks: the same bits as the whole call.
+    # Layer by layer (use_layerwise) into fresh chunks: the same bits as the whole call; so does a layerwise
+    # load or save's copier (one call of the compiled op per layer, no per-layer views), both directions.
     by_layer = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
     for layer, cache in enumerate(caches):
         layout.gather_layer_chunks(layer, cache, slots, [c[layer] for c in by_layer])
-    for a, b in zip(by_layer, many):
-        assert torch.equal(bits(a), bits(b))
+    for mode in ("auto", "torch"):
+        with ops.forced_torch() if mode == "torch" else contextlib.nullcontext():
+            by_copier = [torch.zeros(c.shape, dtype=torch.bfloat16) for c in many]
+            gather_layer = layout.layer_copier(True, caches, slots, by_copier)
+            for layer in range(len(caches)):
+                gather_layer(layer)
+            into_layers = random_like(into_each, None)
+            scatter_layer = layout.layer_copier(False, into_layers, slots, sources)
+            for layer in range(len(caches)):
+                scatter_layer(layer)
+        for a, b, c in zip(by_layer, by_copier, many):
+            assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c))
+        for a, b in zip(into_layers, into_each):
+            assert torch.equal(bits(a), bits(b))
 
 
 @needs_cpu_ext
@@ -298,21 +313,22 @@ def test_kernel_choices_switch_and_refuse_unknown_names(restore_isa):
 
 
 @needs_cpu_ext
-@pytest.mark.parametrize("kind", ["vec", "amx"])
-def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, kind):
-    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels, on
-    scratch buffers of that call's geometry, and keeps the faster for the process: no table of CPU kinds. The
-    connector makes that first call when it binds the layout at start-up (`bind_kernel`), not in a request."""
-    if "avx512" not in _isas():
-        pytest.skip("the task shapes are those of the AVX-512 kernels")
-    assert cpu_ext.set_isa("avx512") == "" and cpu_ext.set_tasks("auto") == ""
+@pytest.mark.parametrize("isa,kind", [("avx512", "vec"), ("avx512", "amx"), ("avx2", "vec")])
+def test_auto_task_shape_is_measured_once_at_start_up(restore_isa, isa, kind):
+    """`auto` (the default) times both task shapes at the first call that runs the AVX-512 vec / amx kernels or
+    the AVX2 vec kernels (CPUs without AVX-512: AMD Zen 2/3), on scratch buffers of that call's geometry, and keeps
+    the faster for the process: no table of CPU kinds. The connector makes that first call when it binds the
+    layout at start-up (`bind_kernel`), not in a request."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    assert cpu_ext.set_isa(isa) == "" and cpu_ext.set_tasks("auto") == ""
     gen = torch.Generator().manual_seed(3)
     caches = cpu_caches(kind, 2, 4, 2, 64, 32, torch.bfloat16, gen)
     layout = detect_layout(caches, **hint(kind))
     layout.bind_kernel(caches)
     chosen, note = cpu_ext.tasks(), cpu_ext.tasks_note()
     assert chosen in ("strip", "plane"), chosen
-    assert "strip" in note and "plane" in note and " ms" in note, note
+    assert "strip" in note and "plane" in note and " ms" in note and f"the {isa} kernels" in note, note
     times = dict(part.split()[:2] for part in note.split(": ", 1)[1].split(", ")[:2])  # {"strip": "1.2", ...}
     assert float(times[chosen]) <= float(times["plane" if chosen == "strip" else "strip"])
     slots = torch.arange(5, 60)  # later calls keep that choice and give the torch path's bits
@@ -410,6 +426,14 @@ cases = [
     ("chunk 1 dtype", lambda: ext.gather_chunks(packed, torch.arange(6), [out, out.float()], 0, 16)),
     ("chunk 1 must be", lambda: ext.scatter_chunks([out, out.transpose(2, 3)], packed, torch.arange(6), 0, 16)),
     ("beyond", lambda: ext.scatter_chunks([out, out], packed, torch.tensor([0, 1, 2, 3, 4, 64]), 0, 16)),
+    # one layer of a call with every layer's caches and whole chunks (layerwise loads and saves)
+    ("out of range", lambda: ext.scatter_layers([out], packed, ok, 0, 16, 1, 1)),
+    ("out of range", lambda: ext.gather_layers(packed, ok, [out], 0, 16, -1, 1)),
+    ("out of range", lambda: ext.gather_layers(packed, ok, [out], 0, 16, 0, 0)),
+    ("out of range", lambda: ext.scatter_layers([out], packed, ok, 0, 16, 2 ** 62, 2 ** 62)),
+    ("chunk 0 must be", lambda: ext.scatter_layers([torch.empty(2, 2, 3, 128, dtype=bf)], packed, ok, 0, 16, 0, 1)),
+    ("chunk 0 must be", lambda: ext.gather_layers(packed, ok, [torch.empty(2, 3, 128, dtype=bf)], 0, 16, 0, 1)),
+    ("beyond", lambda: ext.scatter_layers([out], packed, torch.tensor([0, 1, 64]), 0, 16, 0, 1)),
 ]
 for expected, call in cases:
     error = call()

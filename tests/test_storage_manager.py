@@ -357,6 +357,54 @@ def test_prefetch_holds_until_get_cancel_or_timeout(tmp_path, make_chunk):
         assert mgr.allocator.num_live == len(mgr.l1) == 2
 
 
+def test_a_prefetch_of_l1_chunks_wakes_no_other_thread(make_chunk):
+    """A lookup runs on vLLM's step: a prefetch whose chunks are all in L1 hands nothing to the storage loop (its
+    hold time is kept as a deadline the loop sweeps), so the step never waits for that thread to give the GIL
+    back; the hold still ends on time."""
+    cfg = config(extra={"prefetch_hold_secs": 0.2})
+    with StorageManager(cfg) as mgr:
+        for i in range(3):
+            store(mgr, i, make_chunk(i, CHUNK))
+        handed = []
+        real = mgr._loop.call_soon_threadsafe
+        mgr._loop.call_soon_threadsafe = lambda *args: (handed.append(args), real(*args))[1]
+        try:
+            handle = mgr.prefetch([key(i) for i in range(3)])
+        finally:
+            mgr._loop.call_soon_threadsafe = real
+        assert handle.wait(0) == 3 and handed == []
+        assert metrics.value("prefetch_held_chunks") == 3
+        deadline = time.monotonic() + 5
+        while metrics.value("prefetch_held_chunks") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metrics.value("prefetch_held_chunks") == 0
+
+
+def test_a_store_of_many_chunks_wakes_the_loop_once(tmp_path, make_chunk):
+    """The save thread's store hands its write-throughs to the storage loop in one call: each wake-up of that
+    thread takes the GIL from whoever runs, vLLM's step among them. Every chunk still reaches the disk."""
+    with StorageManager(config(local_disk=str(tmp_path), max_local_disk_size=0.01)) as mgr:
+        objs = []
+        for i in range(4):
+            obj = mgr.allocate(CHUNK, torch.bfloat16)
+            obj.tensor.copy_(make_chunk(i, CHUNK))
+            objs.append(obj)
+        handed = []
+        real = mgr._loop.call_soon_threadsafe
+        mgr._loop.call_soon_threadsafe = lambda *args: (handed.append(args), real(*args))[1]
+        try:
+            mgr.put_many([key(i) for i in range(4)], objs)
+        finally:
+            mgr._loop.call_soon_threadsafe = real
+        for obj in objs:
+            obj.ref_down()
+        assert len(handed) == 1
+        assert mgr.flush()
+        mgr.l1.clear_sync()
+        check_and_release(mgr.get([key(i) for i in range(4)]), [make_chunk(i, CHUNK) for i in range(4)])
+        assert metrics.value("chunk_hits", tier="local_disk") == 4
+
+
 def test_two_live_processes_share_a_disk_directory(tmp_path, make_chunk):
     # Two managers (as two vLLM processes would) on one directory, both started before any write:
     # each sees the other's chunks at once, without a restart.

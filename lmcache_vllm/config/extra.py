@@ -109,7 +109,7 @@ class ExtraConfig:
                                          "dropped and counted (inference never waits)", check=POSITIVE_INT)
     write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
     background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
-                                           "lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
+                                           "load, lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
                                            "beside its compute cores when it binds them itself "
                                            "(VLLM_CPU_OMP_THREADS_BIND=auto); for an in-process engine (LLM() with "
                                            "VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly, the CPUs its "
@@ -117,6 +117,12 @@ class ExtraConfig:
                                            "'inherit' = where vLLM put the process; or a CPU list such as '2,4-7' "
                                            "(with an explicit binding: cores no vLLM instance computes on)",
                                    check=_cpu_choice)
+    overlap_loads: str = setting("auto", "copy a step's loads from L1 layer by layer on a thread of ours while vLLM's "
+                                         "forward computes the layers before (the forward waits only for a layer "
+                                         "not copied yet): 'auto' = on the CPU backend when background_cpus are "
+                                         "set and vLLM's step may run on another CPU; 'on'; 'off' = before the "
+                                         "forward",
+                                 choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))
     prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "

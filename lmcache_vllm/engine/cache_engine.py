@@ -266,10 +266,8 @@ class CacheEngine:
                 self.layout.gather_chunks(kv_caches, self._slots_of(slot_mapping, [c for c, _ in gathered]),
                                           [obj.tensor for _, obj in gathered])
             Fence.record(_device(kv_caches)).wait()  # the chunks hold the KV now (a GPU enqueued the gathers)
-            tenant = tenant_of(extra)
-            for chunk, obj in gathered:
-                self.storage.put(chunk.key, obj, tenant)
-                stored += chunk.num_tokens
+            self.storage.put_many([chunk.key for chunk, _ in gathered], [obj for _, obj in gathered], tenant_of(extra))
+            stored = sum(chunk.num_tokens for chunk, _ in gathered)
         finally:
             self._release_after(kv_caches, [obj for _, obj in gathered])
         self._count("stored", stored)
@@ -318,17 +316,15 @@ class CacheEngine:
             chunks.append(chunk)
             objs.append(obj)
         try:
-            slots = self._slots_of(slot_mapping, chunks) if chunks else slot_mapping[:0]
+            copy = self.layout.layer_copier(True, kv_caches, self._slots_of(slot_mapping, chunks),
+                                            [obj.tensor for obj in objs]) if chunks else None
             for layer in range(self.layout.num_layers):
-                if chunks:
-                    self.layout.gather_layer_chunks(layer, kv_caches[layer], slots, [obj.tensor[layer] for obj in objs])
+                if copy is not None:
+                    copy(layer)
                 yield layer
             Fence.record(_device(kv_caches)).wait()  # one wait for all layers, at the commit
-            stored = 0
-            tenant = tenant_of(extra)
-            for chunk, obj in zip(chunks, objs):
-                self.storage.put(chunk.key, obj, tenant)
-                stored += chunk.num_tokens
+            self.storage.put_many([chunk.key for chunk in chunks], objs, tenant_of(extra))
+            stored = sum(chunk.num_tokens for chunk in chunks)
             self._count("stored", stored)
             return stored
         finally:
@@ -351,11 +347,12 @@ class CacheEngine:
                 loaded[start:end] = mask[start:end]
                 slots = self._masked_slots(slot_mapping, mask, start, end)
             self._count("loaded", int(loaded.sum()))
+            copy = self.layout.layer_copier(False, kv_caches, slots, [obj.tensor for obj in plan.objs]) \
+                if plan.objs else None
             yield loaded
             for layer in range(self.layout.num_layers):
-                if plan.objs:
-                    self.layout.scatter_layer_chunks([obj.tensor[layer] for obj in plan.objs], layer,
-                                                     kv_caches[layer], slots)
+                if copy is not None:
+                    copy(layer)
                 yield layer
         finally:
             self._release_after(kv_caches, plan.objs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -160,6 +160,29 @@ class PagedKVLayout(ABC):
                              slot_mapping: torch.Tensor) -> None:
         """One layer of `scatter_chunks`: each chunk_layer is `chunk_shape(T_i)[1:]`."""
         self._layer_transfer(False, layer, kv_cache, slot_mapping, chunk_layers, "chunk_layer")
+
+    def layer_copier(self, gather: bool, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                     chunks: Sequence[torch.Tensor]) -> Callable[[int], None]:
+        """`copy(layer)`: that layer of `gather_chunks` (`gather`) or `scatter_chunks`, for a layerwise store or
+        load. The inputs are checked once, here; with the compiled CPU op each call is then one call of it with
+        no per-chunk Python (the layer views are made in C++), else one `*_layer_chunks` call."""
+        caches = self._check_caches(kv_caches)
+        slots = self._check_slots(slot_mapping)
+        self._check_chunks(chunks, slots.numel(), self.num_layers, "out" if gather else "chunk")
+        ext = self._kernel_for(caches)
+        name = "gather_layers" if gather else "scatter_layers"
+        if ext is None or caches[0].device.type != "cpu" or not hasattr(ext, name) or self.op_code is None:
+            if gather:
+                return lambda layer: self.gather_layer_chunks(layer, caches[layer], slots, [c[layer] for c in chunks])
+            return lambda layer: self.scatter_layer_chunks([c[layer] for c in chunks], layer, caches[layer], slots)
+        run, chunk_list, op_code, block_size = getattr(ext, name), list(chunks), self.op_code, self.geometry.block_size
+
+        def copy(layer: int) -> None:
+            error = run(caches, slots, chunk_list, op_code, block_size, layer, 1) if gather else \
+                run(chunk_list, caches, slots, op_code, block_size, layer, 1)
+            if error:
+                raise LayoutError(f"{self.name}: {error}")
+        return copy
 
     def _layer_transfer(self, gather: bool, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         chunk_layers: Sequence[torch.Tensor], what: str) -> None:

@@ -302,20 +302,24 @@ class HostAllocator:
             return list(self._lru)
 
     def _pick_victims(self, reserved: int) -> list[tuple[MemoryObj, EvictCallback]]:
-        """Takes LRU objects whose eviction frees memory until enough bytes could be free."""
+        """Takes LRU objects whose eviction frees memory until enough bytes could be free. Walks the LRU from
+        its cold end only as far as it must: a full L1 evicts on every store, and a walk over the whole LRU (a
+        copy of it, thousands of chunks) took 0.2 ms per allocation under the lock and the GIL, on the save
+        thread, while vLLM's step waited for both (profiled: 6 ms of a 30-chunk store's 9 ms)."""
         free_total = self._capacity - self._used
         victims: list[tuple[MemoryObj, EvictCallback]] = []
-        for key, obj in list(self._lru.items()):
+        for obj in self._lru.values():
             if free_total >= reserved and victims:
                 break
             evictor = obj._evictor  # set for every object in the LRU (`_set_evictor`)
             if obj.pin_count > 0 or obj.ref_count != 1 or evictor is None:
                 continue  # in use: evicting it would not free its bytes now
-            del self._lru[key]
             victims.append((obj, evictor))
-            obj._evictor = None
             free_total += obj.reserved
-            self.num_evictions += 1
+        for obj, _ in victims:  # off the LRU after the walk: an OrderedDict may not change while it is walked
+            del self._lru[id(obj)]
+            obj._evictor = None
+        self.num_evictions += len(victims)
         return victims
 
     # ---- object operations (called through MemoryObj) ----------------------------------------

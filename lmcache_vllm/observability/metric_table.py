@@ -94,6 +94,14 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("shape_mismatches", "chunks", "Chunks found under their key with another shape or dtype; "
        "treated as misses"),
     _h("load_seconds", "Time to load one request's cached KV into vLLM's paged cache"),
+    _c("overlapped_loads", "requests", "Loads copied layer by layer on the load thread while vLLM's forward ran "
+       "(extra_config.overlap_loads)"),
+    _c("load_wait_seconds", "seconds", "Time vLLM's forward waited for layers the load thread had not copied yet "
+       "(extra_config.overlap_loads)"),
+    _c("load_thread_timeouts", "steps", "Steps whose load thread did not copy a layer within "
+       "blocking_timeout_secs; its loads were stopped and recomputed"),
+    _c("load_thread_stuck", "steps", "Steps whose load thread did not stop within blocking_timeout_secs after "
+       "a timeout; its loads and those of later steps while it stayed stuck were recomputed"),
     _c("cuda_kernel_fallbacks", "layouts", "KV layouts whose copies use the torch path on a GPU although "
        "extra_config.cuda_kernel is auto: the CUDA kernel gave other bytes than the torch path on a scratch "
        "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),

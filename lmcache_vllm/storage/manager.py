@@ -95,6 +95,7 @@ class StorageManager(Steering):
             for _ in range(max(1, self._num_writers)):
                 self._loop.call_soon_threadsafe(self._start_writer)
         self._quota_checks: Optional[asyncio.Task[None]] = None
+        self._loop.call_soon_threadsafe(self._sweep_holds)
         self._unregister_gauges = metrics.register_gauges(self._gauges)
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -102,6 +103,13 @@ class StorageManager(Steering):
         enter_background_cpus()  # threads this loop starts (its executor's) inherit the CPUs
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+
+    def _sweep_holds(self) -> None:
+        """Releases the prefetches whose hold time passed, then again in a while (on the loop: a prefetch's
+        timeout at most a quarter of the hold time, and at most a second, late)."""
+        self._holds.expire(time.monotonic())
+        if not self._closed:
+            self._loop.call_later(min(1.0, self.prefetch_hold_secs / 4), self._sweep_holds)
 
     async def _make_queue(self) -> asyncio.Queue[tuple[str, MemoryObj]]:
         return asyncio.Queue()
@@ -146,24 +154,37 @@ class StorageManager(Steering):
     def put(self, key: KeyLike, obj: MemoryObj, tenant: str = "") -> None:
         """Stores `obj` under `key`: L1 now (counted for `tenant`, a cache_salt), lower tiers through the bounded
         write queue."""
+        self.put_many([key], [obj], tenant)
+
+    def put_many(self, keys: Sequence[KeyLike], objs: Sequence[MemoryObj], tenant: str = "") -> None:
+        """`put` of each (key, object), the write-throughs handed to the loop in one call: a store's chunks wake
+        the loop thread once, not once each (each wake-up takes the GIL from whoever runs, vLLM's step too)."""
         if self._closed:
             return
-        k = _key_str(key)
-        known = self.l1.keep_entries and self.l1.contains_sync(k)
-        self.l1.put_sync(k, obj, tenant)
-        if not self._write_tiers or (known and not self._writes.failed(k)):
-            return  # written through when it was first stored (or read from below); a failed write is retried
-        with self._lock:
-            if self._closed:
-                return
-            if self._pending >= self._queue_depth:
-                metrics.inc("dropped_stores", reason="queue_full")
-                self._writes.ended(k, False)
-                return
-            self._pending += 1
-            self._writes.started(k)
-            obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, obj))
+        queued: list[tuple[str, MemoryObj]] = []
+        for key, obj in zip(keys, objs):
+            k = _key_str(key)
+            known = self.l1.keep_entries and self.l1.contains_sync(k)
+            self.l1.put_sync(k, obj, tenant)
+            if not self._write_tiers or (known and not self._writes.failed(k)):
+                continue  # written through when first stored (or read from below); a failed write is retried
+            with self._lock:
+                if self._closed:
+                    break
+                if self._pending >= self._queue_depth:
+                    metrics.inc("dropped_stores", reason="queue_full")
+                    self._writes.ended(k, False)
+                    continue
+                self._pending += 1
+                self._writes.started(k)
+                obj.ref_up()  # the queue's reference, dropped once every lower tier has the bytes
+                queued.append((k, obj))
+        if queued:
+            self._loop.call_soon_threadsafe(self._enqueue, queued)
+
+    def _enqueue(self, items: list[tuple[str, MemoryObj]]) -> None:
+        for item in items:
+            self._queue.put_nowait(item)
 
     def wait_written(self, keys: Sequence[KeyLike], timeout: float) -> bool:
         """Waits until every one of `keys` is in every lower tier: the writes queued so far ended well, and
@@ -316,7 +337,7 @@ class StorageManager(Steering):
         ks = [_key_str(k) for k in keys]
         if self._closed:
             return PrefetchHandle(None, 0)
-        owner = self._holds.new_owner()
+        owner = self._holds.new_owner(self.prefetch_hold_secs)  # released by the loop's sweep then (`_sweep_holds`)
         release = functools.partial(self._holds.release_owner, owner)
         found: list[MemoryObj] = []
         while len(found) < len(ks):
@@ -329,8 +350,6 @@ class StorageManager(Steering):
             found.append(shared)
         n = len(found)
         self._holds.hold_many(owner, ks[:n], found)
-        # The hold timeout runs on the loop (call_later is not thread-safe, hence call_soon_threadsafe).
-        self._loop.call_soon_threadsafe(self._loop.call_later, self.prefetch_hold_secs, release)
         if n == len(ks) or not (self.lower or peer):
             if peer is not None:  # nothing to pull: the peer may drop what it keeps for this request
                 asyncio.run_coroutine_threadsafe(peer.close(), self._loop)

@@ -10,8 +10,10 @@ A `get` with the prefetch's `owner` takes the holds over; `cancel()` or the hold
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,19 +26,38 @@ class PrefetchHolds:
     """References that prefetches keep on the chunks they found, by key, until a `get` takes them.
 
     Each prefetch is an owner id; `release_owner` (cancel, timeout, close) drops what is left of its
-    holds and refuses later ones, so a read finishing after its cancel cannot leave a hold behind."""
+    holds and refuses later ones, so a read finishing after its cancel cannot leave a hold behind. An owner
+    made with a hold time is released by `expire` once that time passed (the storage loop sweeps every so
+    often: no wake-up of another thread per prefetch, which vLLM's step, where lookups run, paid for in waits for
+    the GIL)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[str, list[tuple[int, MemoryObj]]] = {}
         self._owners: dict[int, list[str]] = {}  # live owners -> keys they hold
         self._next_owner = 0
+        self._deadlines: collections.deque[tuple[float, int]] = collections.deque()  # in order: one hold time
 
-    def new_owner(self) -> int:
+    def new_owner(self, hold_s: Optional[float] = None) -> int:
+        """A new owner; with `hold_s`, `expire` releases it that many seconds from now."""
         with self._lock:
             self._next_owner += 1
             self._owners[self._next_owner] = []
+            if hold_s is not None:
+                self._deadlines.append((time.monotonic() + hold_s, self._next_owner))
             return self._next_owner
+
+    def expire(self, now: float) -> int:
+        """Releases the owners whose hold time passed by `now` (those already released are skipped); returns
+        how many were still live."""
+        due = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                due.append(self._deadlines.popleft()[1])
+        live = [owner for owner in due if owner in self._owners]
+        for owner in live:
+            self.release_owner(owner)
+        return len(live)
 
     def hold(self, owner: int, key: str, obj: MemoryObj) -> None:
         """Takes over the caller's reference on `obj`; released at once if `owner` is gone."""

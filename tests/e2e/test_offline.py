@@ -17,6 +17,7 @@ serves a repeat the same number of tokens as our 256-token chunks: `len % 256` i
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import e2e_harness as h
@@ -132,6 +133,9 @@ def test_repeat_hits_and_matches_reference(main_run, reference):
     # Scheduler and worker share this (in-process) engine: lookups are direct calls, none timed out.
     assert stats["lookups_in_process"] == stats["lookups"] > 0
     assert stats.get("lookup_timeouts", 0) == 0
+    # The engine computes on core 0 (VLLM_CPU_OMP_THREADS_BIND=0): with a core beside it, the hits above were
+    # copied there layer by layer while the forward ran (extra_config.overlap_loads: auto), before it otherwise.
+    assert (stats.get("overlapped_loads", 0) > 0) == (len(os.sched_getaffinity(0)) > 1)
 
 
 def test_full_aligned_prompt_leaves_last_token_to_vllm(main_run, fresh_run, reference):

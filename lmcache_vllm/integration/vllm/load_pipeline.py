@@ -2,7 +2,8 @@
 
 - `start(meta)` (vLLM's `start_load_kv`, before the forward): a synchronous `LoadSpec` takes the chunks
   its lookup held (`loads.RequestLoads`) and copies them in, from memory only (the lookup's prefetch did
-  every tier read), all layers at once or layer by layer as vLLM announces them (`wait_for_layer`); an
+  every tier read): all layers at once, layer by layer as vLLM announces them (`wait_for_layer`), or layer
+  by layer on the load thread while the forward runs (`load_thread.LoadThread`, `overlap`); an
   asynchronous one starts waiting for its reads while vLLM runs other requests.
 - `finished(meta, finished_req_ids)` (vLLM's `get_finished`): copies in the asynchronous loads whose
   reads are over and reports them, and those aborted while waiting, as finished receiving.
@@ -25,6 +26,7 @@ import torch
 
 from lmcache_vllm.integration.vllm.groups import load_parts
 from lmcache_vllm.integration.vllm.layerwise import LayerSteps
+from lmcache_vllm.integration.vllm.load_thread import LoadThread
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S, OpenPeer, RequestLoads
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, slot_mapping_for
@@ -45,7 +47,10 @@ class LoadPipeline:
 
     def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor],
                  layer_index: dict[str, int], *, block_size: int, use_layerwise: bool, timeout_s: float,
-                 failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None):
+                 failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None,
+                 overlap: bool = False):
+        """`overlap`: synchronous loads copy on the load thread beside the forward (not for several KV cache
+        groups, whose loads are asynchronous)."""
         from lmcache_vllm.engine.grouped import GroupedEngine
 
         self.engine = engine
@@ -64,13 +69,24 @@ class LoadPipeline:
         # This step's layerwise loads, the next layer they copy, and the requests whose load failed
         # (on any rank, once `agree` ran).
         self._retrievers: LayerSteps[tuple[LoadSpec, torch.Tensor]] = LayerSteps()
+        self._thread: LoadThread[tuple[LoadSpec, torch.Tensor]] | None = (
+            LoadThread(len(kv_caches), timeout_s) if overlap and self.grouped is None and kv_caches else None)
         self._next_layer = 0
         self.failed: set[str] = set()
         self._agreed = False
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether synchronous loads copy on the load thread beside the forward."""
+        return self._thread is not None
+
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
-        self._retrievers.close()  # none is left unless a step ended early (vLLM paused the cache)
+        # Nothing is left running unless a step ended early (vLLM paused the cache): no copy may go on then.
+        if self._thread is not None:
+            for tag, exc, layer in self._thread.stop():
+                self._layer_failed(tag, exc, layer)
+        self._retrievers.close()
         self._next_layer = 0
         self.failed = set()
         self._agreed = False
@@ -96,7 +112,9 @@ class LoadPipeline:
                 # Async loading is off and the hit needs a slower tier: wait (bounded) for its reads.
                 held.wait(self.timeout_s)
             with metrics.timed("load_seconds"):
-                self._load(spec, held, self.use_layerwise)
+                self._load(spec, held, self.use_layerwise or self._thread is not None)
+        if self._thread is not None and self._retrievers:
+            self._thread.start(self._retrievers.take())
 
     def finished(self, meta: LMCacheConnectorMetadata | None, finished_req_ids: set[str], paused: bool,
                  idle_wait: Callable[[], None]) -> set[str]:
@@ -199,25 +217,28 @@ class LoadPipeline:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Every layerwise load has copied its layers up to and including `layer_name`'s."""
-        if not self._retrievers:
-            return
         target = self.layer_index.get(layer_name)
-        if target is None:
+        if target is not None:
+            self._copy_to(target)
+
+    def _copy_to(self, target: int) -> None:
+        if self._thread is not None:  # finished or not, it may hold failures not reported yet
+            for tag, exc, layer in self._thread.wait(target):
+                self._layer_failed(tag, exc, layer)
             return
-        while self._next_layer <= target:
-            self._retrievers.step(self._layer_failed)
+        while self._retrievers and self._next_layer <= target:
+            self._retrievers.step(lambda tag, exc: self._layer_failed(tag, exc, self._next_layer))
             self._next_layer += 1
 
     def finish_layers(self) -> None:
         """Layers the forward never announced still get their KV before the step ends."""
-        if self._retrievers:
-            self.wait_for_layer(next(reversed(self.layer_index)))
+        self._copy_to(len(self.kv_caches) - 1)
 
-    def _layer_failed(self, tag: tuple[LoadSpec, torch.Tensor], exc: Exception) -> None:
+    def _layer_failed(self, tag: tuple[LoadSpec, torch.Tensor], exc: Exception, layer: int) -> None:
         # Earlier layers got their KV, this and later ones did not: the whole range is a hole.
         spec, loaded = tag
-        logs.warn(logger, "load_failed", "request %s: layerwise load failed at layer %d", spec.req_id,
-                  self._next_layer, exc_info=True)
+        logs.warn(logger, "load_failed", "request %s: layerwise load failed at layer %d (%s: %s)", spec.req_id,
+                  layer, type(exc).__name__, exc)
         self._fail(spec, loaded, int(loaded.sum()))
 
     def agree(self, meta: LMCacheConnectorMetadata) -> None:
@@ -241,9 +262,12 @@ class LoadPipeline:
                           "tensor-parallel rank; it saves nothing this step", spec.req_id)
 
     def take_load_errors(self) -> set[int]:
+        self.finish_layers()  # a failure of a layer still copying counts in this step (vLLM may defer wait_for_save)
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
         self._retrievers.close()
         self.requests.close()

@@ -30,9 +30,11 @@ def slot_mapping_for(block_ids: list[int], block_size: int, num_tokens: int) -> 
     if needed > len(block_ids):
         raise ValueError(f"{num_tokens} tokens need {needed} blocks of {block_size}, "
                          f"request has {len(block_ids)}")
-    blocks = torch.as_tensor(block_ids[:needed], dtype=torch.long)
-    # Each block's slots in a row (no division per token: this runs in the step, per load and save).
-    return (blocks[:, None] * block_size + torch.arange(block_size, dtype=torch.long)).flatten()[:num_tokens]
+    blocks = np.fromiter(block_ids[:needed], dtype=np.int64, count=needed)
+    # Each block's slots in a row (no division per token: this runs in the step, per load and save), in numpy: a
+    # torch op lets go of the GIL and must take it back, which on the step thread can mean waiting for ours.
+    slots = blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)
+    return torch.from_numpy(slots.reshape(-1)[:num_tokens])
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from lmcache_vllm.config import LMCacheConfig
+from lmcache_vllm.cpu_affinity import background_cpus
 from lmcache_vllm.integration.vllm.control import ControlServer, control_address
 from lmcache_vllm.integration.vllm.load_pipeline import FailureAgreement, LoadPipeline
+from lmcache_vllm.integration.vllm.load_thread import overlap_wanted
 from lmcache_vllm.integration.vllm.loads import IDLE_STEP_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery, LookupServer
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata
@@ -118,7 +120,10 @@ class WorkerHalf:
         self.load = LoadPipeline(engine, self.kv_caches, self.layer_index, block_size=self.block_size,
                                  use_layerwise=layerwise, timeout_s=config.blocking_timeout_secs,
                                  failure_agreement=self._failure_agreement,
-                                 open_peer=self.pd.open_peer if self.pd is not None else None)
+                                 open_peer=self.pd.open_peer if self.pd is not None else None,
+                                 # vLLM registers the caches from the thread that runs its steps
+                                 overlap=not layerwise and overlap_wanted(config.extra_config.overlap_loads,
+                                                                          self.kv_caches[0].device.type))
         self.save = SavePipeline(engine, self.kv_caches, SideStream(self.kv_caches[0].device),
                                  block_size=self.block_size, use_layerwise=layerwise,
                                  async_save=config.extra_config.async_save, durable=self.durable_saves,
@@ -136,6 +141,9 @@ class WorkerHalf:
             self.control = ControlServer(control_address(self.lookup_address), ops.handle)
         logger.debug("LMCache worker ready: %d layers, layout %s, lookups on %s", len(self.kv_caches),
                      engine.layout, self.lookup_address)
+        if self.load.overlapped:
+            logger.info("loads from L1 copy layer by layer beside the forward, on the load thread (CPUs %s)",
+                        sorted(background_cpus() or ()))
 
     def _lookup(self, query: LookupQuery) -> LookupAnswer:
         if self.engine is None or self.load is None or self.save is None:
