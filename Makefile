@@ -1,9 +1,10 @@
 # lmcache-vllm: `make demo` and `make test` work on a fresh machine (they install what they need).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The stamp is keyed on everything that decides what gets installed, so a second `make install`
+# The stamp is keyed on everything that decides what gets installed or compiled (cuda_ops/: the host ops are
+# built by the editable install), so a second `make install`
 # with nothing changed takes seconds.
-STAMP := $(VENV)/.install-$(shell cat requirements/*.txt setup.py scripts/install.sh 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.install-$(shell cat requirements/*.txt setup.py scripts/install.sh cuda_ops/* 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: install test demo bench bench-serving check-cuda clean
