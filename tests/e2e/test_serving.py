@@ -31,7 +31,7 @@ SERVE_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager
               "--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 HIT_PROMPT = h.random_tokens(90, 1300)  # 5 chunks: vLLM's prefix cache serves a repeat 1280 tokens too
 DECODE_PROMPT = h.random_tokens(91, 300)
-PAUSE_S = 4.0  # long enough that a step stalled on Redis stands out from a busy machine's noise
+PAUSE_S = 2.5  # under lookup_timeout_ms (3 s): a longer freeze turns the waiting request's lookup into a miss
 STORED = "lmcache_vllm:stored_chunks_total"
 
 
