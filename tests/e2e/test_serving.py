@@ -57,8 +57,22 @@ def reset_l1(base: str) -> None:
         assert resp.status == 200
 
 
-def stored_in(base: str, tier: str, at_least: float) -> dict:
-    got = serving.wait_for(base, lambda m: m.get((STORED, tier), 0) >= at_least, 30)
+NUDGE_PROMPT = h.random_tokens(93, 8)  # shorter than a chunk: nothing to look up or store (save_unfull_chunk off)
+
+
+def stored_in(base: str, tier: str, at_least: float, nudge_model: str | None = None) -> dict:
+    """Waits until `tier` counts `at_least` stored chunks. A write-through that ends after the request's last
+    step is reported with the next step's stats (vLLM ships a connector's stats with a step's output), so an
+    idle server is given a one-token request to step on (seen: the cold request's 5 writes to Redis ended after
+    its last step, 1 run in 7, and the count never came). Not with save_unfull_chunk: the nudge would be stored."""
+    def stored(scraped: dict) -> bool:
+        if scraped.get((STORED, tier), 0) >= at_least:
+            return True
+        if nudge_model is not None:
+            completion(base, nudge_model, NUDGE_PROMPT, max_tokens=1)
+        return False
+
+    got = serving.wait_for(base, stored, 30)
     assert got.get((STORED, tier), 0) >= at_least, f"write-through to {tier} did not land"
     return got
 
@@ -87,7 +101,7 @@ def test_frozen_redis_delays_only_the_request_that_waits_for_it(tiny_model, tmp_
     with server(tmp_path, tiny_model, h.connector(extra)) as (base, log):
         cold = completion(base, tiny_model, HIT_PROMPT)
         assert serving.cached_tokens(cold) == 0
-        stored_in(base, "redis", 5)
+        stored_in(base, "redis", 5, tiny_model)
         reset_l1(base)  # from now on the prompt's chunks are only in Redis
 
         decode_times: list[float] = []
