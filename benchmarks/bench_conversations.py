@@ -125,6 +125,15 @@ def text_file(path: Path, min_chars: int) -> Path:
     return path
 
 
+def write_conversations(tmp: Path, w: Workload) -> Path:
+    """The conversations file vLLM's client reads, its text drawn from a file of enough words, under `tmp`."""
+    text = text_file(tmp / "stdlib.txt", 8 * (w.system_tokens + w.users * (3 * w.document_tokens + 4 * w.turns)
+                                              + 4 * w.turns * w.question_tokens))
+    conversations = tmp / "conversations.json"
+    conversations.write_text(json.dumps(generator_config(w, text)))
+    return conversations
+
+
 def generator_config(w: Workload, text: Path) -> dict:
     """The client's `generate_conversations` input (benchmarks/multi_turn/README.md in vLLM's sources)."""
     def uniform(value: int, low: float, high: float) -> dict:
@@ -318,10 +327,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_conversations_") as tmpdir:
         tmp = Path(args.keep or tmpdir)
         tmp.mkdir(parents=True, exist_ok=True)
-        text = text_file(tmp / "stdlib.txt", 8 * (w.system_tokens + w.users * (3 * w.document_tokens + 4 * w.turns)
-                                                  + 4 * w.turns * w.question_tokens))
-        conversations = tmp / "conversations.json"
-        conversations.write_text(json.dumps(generator_config(w, text)))
+        conversations = write_conversations(tmp, w)
         disk_gib = 8.0 if args.disk_fraction is None else \
             round(args.disk_fraction * w.working_set_tokens() * per_token / (1 << 30), 4)
         tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": disk_gib}

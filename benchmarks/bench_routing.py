@@ -51,11 +51,10 @@ from bench_conversations import (  # noqa: E402
     QUICK,
     Workload,
     client_script,
-    generator_config,
     kv_bytes_per_token,
     percentile,
     run_client,
-    text_file,
+    write_conversations,
 )
 from bench_serving import cache_tokens, server_args  # noqa: E402
 
@@ -208,10 +207,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_routing_") as tmpdir:
         tmp = Path(args.keep or tmpdir)
         tmp.mkdir(parents=True, exist_ok=True)
-        text = text_file(tmp / "stdlib.txt", 8 * (w.system_tokens + w.users * (3 * w.document_tokens + 4 * w.turns)
-                                                  + 4 * w.turns * w.question_tokens))
-        conversations = tmp / "conversations.json"
-        conversations.write_text(json.dumps(generator_config(w, text)))
+        conversations = write_conversations(tmp, w)
         redis_proc, redis_url = _common.start_redis(tmpdir)
         try:
             p2p = {"enable_p2p": True, "p2p_host": "127.0.0.1", "extra_config": {
