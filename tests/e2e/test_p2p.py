@@ -56,11 +56,14 @@ def directory(redis_server) -> str:
 
 
 def p2p_config(directory: str, port: int) -> dict:
+    # Wide bounds: this test is about what is found and loaded, not how fast. In one CI run (2 cores under six of
+    # vLLM's processes) B loaded 0 of the 512 tokens; the cause was not recorded (a failure now prints B's lookup
+    # and P2P counters), and a lookup past its bound (0.5 s for the directory by default, 3 s in all) is a miss.
     return {"enable_p2p": True, "p2p_host": "127.0.0.1", "p2p_init_ports": [port], "max_local_cpu_size": 0.25,
+            "lookup_timeout_ms": 15000,
             "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX, "pd_peers": PEERS,
                              "p2p_pull_timeout_secs": PULL_TIMEOUT_S, "p2p_lease_secs": 30.0,
-                             # a loaded CI machine may answer slower than the default 0.5 s (a miss here)
-                             "p2p_lookup_timeout_secs": 2.0}}
+                             "p2p_lookup_timeout_secs": 10.0}}
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +124,25 @@ def metric(base: str, model: str, name: str, tier: str = "") -> float:
     return scrape(base).get((f"lmcache_vllm:{name}", tier), 0.0)
 
 
+def diagnosis(base: str, log: Path) -> str:
+    """What B's lookup saw (its P2P and lookup counters, its log's P2P lines): a failure says why."""
+    names = ("lookups_total", "lookup_timeouts_total", "pending_lookups_total", "p2p_lookups_total",
+             "p2p_lookup_failures_total", "p2p_skipped_peers_total", "p2p_pull_failures_total",
+             "p2p_pulled_chunks_total", "p2p_lookup_seconds_sum", "lookup_seconds_sum", "storage_timeouts_total")
+    scraped = scrape(base)
+    counters = {n: sum(v for (name, _), v in scraped.items() if name == f"lmcache_vllm:{n}") for n in names}
+    lines = [ln for ln in log.read_text(errors="replace").splitlines()
+             if "P2P" in ln or "lookup" in ln.lower() or "Traceback" in ln or "Error" in ln][-30:]
+    return f"{log}: {counters}\n" + "\n".join(lines)
+
+
 def test_b_serves_a_prompt_only_a_has_seen(instance_a, instance_b, reference, tiny_model, directory):
     cold = complete(instance_a[0], tiny_model, SHARED)
     h.assert_like_with_like(cold, reference["shared"], what="A, cold")
     assert cold["num_cached_tokens"] == 0
     wait_listed(directory, 2 * TP)  # A's two whole chunks, on each rank
     warm = complete(instance_b[0], tiny_model, SHARED)
-    assert warm["num_cached_tokens"] == 512, instance_b[1]
+    assert warm["num_cached_tokens"] == 512, diagnosis(*instance_b)
     h.assert_like_with_like(warm, reference["shared_again"], what="B, from A's chunks")
     assert metric(instance_b[0], tiny_model, "hit_tokens_total", "p2p") == 512
     assert metric(instance_b[0], tiny_model, "p2p_pulled_chunks_total") == 2 * TP  # rank r from A's rank r
