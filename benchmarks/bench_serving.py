@@ -122,10 +122,16 @@ def cache_tokens(before: dict, after: dict) -> dict:
     """Prompt tokens of the run and where their KV came from (vLLM's prefix cache, each of our tiers)."""
     def delta(name: str, label: str = "") -> float:
         return after.get((name, label), 0.0) - before.get((name, label), 0.0)
-    out = {"prompt_tokens": delta("vllm:prompt_tokens_total"),
-           "vllm_prefix_cache_tokens": delta("vllm:prefix_cache_hits_total"),
-           # what vLLM counts as loaded by the connector, ours or LMCache's alike
-           "connector_tokens": delta("vllm:external_prefix_cache_hits_total")}
+    by_source = "vllm:prompt_tokens_by_source_total"
+    if (by_source, "local_compute") in after:
+        # Counted once per request's prefill. vLLM's prefix_cache_hits counts every look the scheduler takes at a
+        # waiting request, so a connector's "ask again" (a lookup still pending) counts its device hit again.
+        local, external = delta(by_source, "local_cache_hit"), delta(by_source, "external_kv_transfer")
+    else:  # a vLLM without the per-source counters
+        local, external = delta("vllm:prefix_cache_hits_total"), delta("vllm:external_prefix_cache_hits_total")
+    # connector_tokens: what vLLM counts as loaded by the connector, ours or LMCache's alike
+    out = {"prompt_tokens": delta("vllm:prompt_tokens_total"), "vllm_prefix_cache_tokens": local,
+           "connector_tokens": external}
     for tier in ("local_cpu", "local_disk", "redis"):
         out[f"ours_{tier}_tokens"] = delta("lmcache_vllm:hit_tokens_total", tier)
     return out
