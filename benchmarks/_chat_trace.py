@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -185,3 +185,22 @@ def unbounded_hits(exchanges: Iterable[Exchange], unit: int, with_answers: bool 
         stored = prompt + exchange.output_ids[:-1] if with_answers else prompt
         cached.update(prefix_digests(stored, unit))
     return hits
+
+
+def conversation_moves(exchanges: Sequence[Exchange], servers: Sequence[Optional[str]]) -> tuple[int, int]:
+    """(turns after a conversation's first, those served elsewhere than its previous turn): `servers[i]` served
+    `exchanges[i]` (None: not known, not counted). A turn continues the conversation whose latest prompt is a
+    proper prefix of its own prompt (the exchanges in arrival order)."""
+    latest: list[tuple[list[int], Optional[str]]] = []
+    turns = moved = 0
+    for exchange, server in zip(exchanges, servers):
+        prompt = exchange.prompt_ids
+        for i, (previous, previous_server) in enumerate(latest):
+            if len(previous) < len(prompt) and prompt[:len(previous)] == previous:
+                if server is not None and previous_server is not None:
+                    turns += 1
+                    moved += server != previous_server
+                del latest[i]
+                break
+        latest.append((prompt, server))
+    return turns, moved

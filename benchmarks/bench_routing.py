@@ -1,6 +1,7 @@
 """Routing: vLLM's own router (vllm-router) in front of 2 (or 3) instances of ours, on vLLM's multi-turn conversations.
 
-    python benchmarks/bench_routing.py [--quick] [--instances N] [--only NAME ...] [--json FILE] [--keep DIR]
+    python benchmarks/bench_routing.py [--quick] [--instances N] [--only NAME ...] [--credits TIER=CREDIT ...]
+                                       [--json FILE] [--keep DIR]
 
 The client, the conversations and the recording proxy are bench_conversations.py's (vLLM's own multi-turn benchmark
 client from its source distribution, run unchanged; answers restricted to tokens that round-trip, as a trained
@@ -15,8 +16,9 @@ every configuration pays the same overheads.
 Configurations (docs/ROUTING.md), each on emptied caches (vLLM's `/reset_prefix_cache?reset_external=true` with
 `reset_lower_tiers`: device, L1 and disk) behind a fresh router: `round_robin`; `cache_aware` (the router's
 approximate tree of what it sent where); `kv_aware` fed by our events and vLLM's (`--kv-event-source` per instance,
-vLLM's block size, the router's default tier credits: host 0.8, disk 0.3, external 0.6); each also with P2P sharing
-(`<policy>_p2p`: `enable_p2p`, the directory in a local redis-server), on a second set of instances.
+vLLM's block size, the router's default tier credits: host 0.8, disk 0.3, external 0.6, or `--credits`); each also
+with P2P sharing (`<policy>_p2p`: `enable_p2p`, the directory in a local redis-server, each instance trusting the
+others' transfer ports, `p2p_serve_disk`), on a second set of instances.
 
 Per configuration: requests/s, TTFT p50/p99 (the client's), prompt tokens by where their KV came from summed over
 the instances (vLLM's prefix cache; our L1, disk, P2P), recomputed tokens, the requests each instance served, the
@@ -43,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
-from _chat_trace import RecordingProxy, round_trip_word_tokens, unbounded_hits  # noqa: E402
+from _chat_trace import RecordingProxy, conversation_moves, round_trip_word_tokens, unbounded_hits  # noqa: E402
 from bench_conversations import (  # noqa: E402
     BLOCK_SIZE,
     CHAT_TEMPLATE,
@@ -74,12 +76,18 @@ class Fleet:
         cores = sorted(os.sched_getaffinity(0))
         self.events: dict[str, str] = {}
         self.logs: list[Path] = []
+        # With P2P, each instance's transfer server on a port of its own, and every instance trusting the
+        # others' ports (loopback is nobody's by default: without pd_peers no peer is ever pulled from).
+        p2p_ports = [free_port() for _ in range(n)] if extra.get("enable_p2p") else []
+        peers = {"pd_peers": [f"127.0.0.1:{p}" for p in p2p_ports]} if p2p_ports else {}
 
         def start(i: int) -> str:
             port = free_port()
+            p2p = {"p2p_init_ports": [p2p_ports[i]]} if p2p_ports else {}
             kv = dict(CONNECTOR, kv_connector_extra_config={
-                **extra, "local_disk": str(tmp / f"l2-{i}"), "max_local_disk_size": 8.0, "enable_kv_events": True,
-                "extra_config": {"reset_lower_tiers": True, **extra.get("extra_config", {})}})
+                **extra, **p2p, "local_disk": str(tmp / f"l2-{i}"), "max_local_disk_size": 8.0,
+                "enable_kv_events": True,
+                "extra_config": {"reset_lower_tiers": True, **peers, **extra.get("extra_config", {})}})
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
             env = dict(vllm_env(tmp / f"i{i}", multiprocessing=True, threads_bind=str(cores[i % len(cores)])),
                        VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache between configurations
@@ -111,12 +119,12 @@ class Fleet:
 
 
 def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Workload, conversations: Path,
-            script: Path, allowed: list[int] | None) -> dict:
+            script: Path, allowed: list[int] | None, credits: dict[str, float] | None = None) -> dict:
     print(f"\n-- {name}", flush=True)
     fleet.reset(model)
     kv = policy == "kv_aware"
     with route(fleet.bases, policy, tmp, events=fleet.events if kv else None, block_size=BLOCK_SIZE, model=model,
-               log_level="debug" if kv else "info") as (router, log):
+               credits=credits if kv else None, log_level="debug" if kv else "info") as (router, log):
         proxy = RecordingProxy(router, allowed)
         url = proxy.start()
         groups = [_common.server_process_group(server_log.read_text()) for server_log in fleet.logs]
@@ -143,6 +151,10 @@ def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Work
             row[key] = row.get(key, 0.0) + value
         row["ours_p2p_tokens"] = row.get("ours_p2p_tokens", 0.0) + (
             a.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0) - b.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0))
+        # peers a lookup left out (untrusted, backing off, ...): a P2P run that pulls nothing says why
+        row["p2p_skipped_peers"] = row.get("p2p_skipped_peers", 0.0) + (
+            a.get(("lmcache_vllm:p2p_skipped_peers_total", ""), 0.0)
+            - b.get(("lmcache_vllm:p2p_skipped_peers_total", ""), 0.0))
     served = [sum(v for (n, _), v in a.items() if n == "vllm:request_success_total")
               - sum(v for (n, _), v in b.items() if n == "vllm:request_success_total") for b, a in zip(before, after)]
     row["served_by_instance"] = "/".join(str(int(x)) for x in served)  # requests (the warm-ups excluded)
@@ -151,12 +163,24 @@ def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Work
     if kv:
         credited = [int(d.get("credited_prefix_tokens", 0)) for d in chosen]
         # `unprepared`: an instance did not render the prompt within the router's 1 s (no credit for it)
-        row.update(router_decisions=len(chosen), router_credited_decisions=sum(c > 0 for c in credited),
+        # later turns of a conversation and those the router sent to another instance than the previous turn
+        turns, moved = conversation_moves(exchanges, served_by(exchanges, chosen))
+        row.update(router_credits=json.dumps(credits or "vllm-router's defaults"), later_turns=turns,
+                   moved_turns=moved,
+                   router_decisions=len(chosen), router_credited_decisions=sum(c > 0 for c in credited),
                    router_credited_tokens=sum(credited), router_unprepared_inputs=unprepared)
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
           f"p99 {row['p99_ttft_ms']:.0f} ms; recomputed {int(row['recomputed_tokens'])} of "
           f"{int(row['prompt_tokens'])} prompt tokens; per instance {row['served_by_instance']}", flush=True)
     return row
+
+
+def served_by(exchanges: list, chosen: list[dict[str, str]]) -> list[str | None]:
+    """The instance kv_aware chose for each exchange: its decisions matched by prompt length, in order."""
+    workers: dict[int, list[str]] = {}
+    for decision in chosen:
+        workers.setdefault(int(decision.get("input_tokens", -1)), []).append(decision.get("worker", ""))
+    return [workers[n].pop(0) if workers.get(n) else None for n in (len(e.prompt_ids) for e in exchanges)]
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
@@ -182,6 +206,8 @@ def main() -> None:
         p.add_argument("--l1-fraction", type=float, default=0.25, help="each instance's L1 as a fraction of the "
                        "conversations' KV (default 0.25)")
         p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server, router and client logs)")
+        p.add_argument("--credits", nargs="*", default=[], metavar="TIER=CREDIT", help="kv_aware's tier credits "
+                       "(vllm-router's --kv-penalty-TIER; TIER: host, disk, external); default: the router's own")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     args.json = args.json or os.path.join(OUT, "routing.json")
@@ -189,6 +215,7 @@ def main() -> None:
 
     from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
+    credits = {tier: float(value) for tier, value in (c.split("=", 1) for c in args.credits)}
     size = "tiny" if args.quick else "medium"
     model = str(build_model(size))
     w = replace(QUICK, users=8, turns=3) if args.quick else FULL
@@ -210,8 +237,10 @@ def main() -> None:
         conversations = write_conversations(tmp, w)
         redis_proc, redis_url = _common.start_redis(tmpdir)
         try:
+            # p2p_serve_disk: each L1 holds a quarter of the conversations' KV, so most reusable chunks are on disk
             p2p = {"enable_p2p": True, "p2p_host": "127.0.0.1", "extra_config": {
-                "p2p_directory_url": redis_url, "remote_key_prefix": f"bench-routing-{uuid.uuid4().hex[:6]}:"}}
+                "p2p_directory_url": redis_url, "remote_key_prefix": f"bench-routing-{uuid.uuid4().hex[:6]}:",
+                "p2p_serve_disk": True}}
             for suffix, extra in (("", {}), ("_p2p", p2p)):
                 names = [n for n in (f"{policy}{suffix}" for policy in POLICIES) if not args.only or n in args.only]
                 if not names:
@@ -224,7 +253,7 @@ def main() -> None:
                         for name in names:
                             try:
                                 rows[name] = measure(name, name.removesuffix(suffix), fleet, tmp, model, w,
-                                                     conversations, script, allowed)
+                                                     conversations, script, allowed, credits)
                             except Exception as exc:  # one failed configuration must not lose the others
                                 failed[name] = repr(exc)[-2000:]
                                 print(f"   {name} FAILED: {exc!r}"[:3000], flush=True)
@@ -252,7 +281,9 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
         if "router_decisions" in row:
             print(f"{name}: the router credited a cached prefix in {row['router_credited_decisions']} of "
                   f"{row['router_decisions']} decisions ({row['router_credited_tokens']} tokens); an instance did "
-                  f"not render the prompt in time {row['router_unprepared_inputs']} times")
+                  f"not render the prompt in time {row['router_unprepared_inputs']} times; it sent "
+                  f"{row['moved_turns']} of {row['later_turns']} later turns to another instance than the "
+                  f"conversation's previous turn; peers skipped by P2P lookups: {int(row['p2p_skipped_peers'])}")
     _common.write_configurations(json_path, {"model": size, "cpu": _common.cpu_model(), "instances": instances,
                                              **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows)},
                                  rows, failed)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _chat_trace import Exchange, RecordingProxy, unbounded_hits  # noqa: E402
+from _chat_trace import Exchange, RecordingProxy, conversation_moves, unbounded_hits  # noqa: E402
 from _l1_replay import compare  # noqa: E402
 
 
@@ -46,6 +46,17 @@ def _sessions(users: int, turns: int) -> list[Exchange]:
             out.append(_ex(prompt, answer))
             history[u] = prompt + answer[:-1]
     return out
+
+
+def test_conversation_moves_count_later_turns_served_elsewhere_than_the_previous_one():
+    system = [1, 2, 3]
+    a1, b1 = _ex([*system, 10]), _ex([*system, 20])  # two conversations sharing a system prompt
+    a2, b2 = _ex([*system, 10, 11, 12]), _ex([*system, 20, 21])
+    a3 = _ex([*system, 10, 11, 12, 13])
+    trace = [a1, b1, a2, b2, a3]
+    assert conversation_moves(trace, ["x", "y", "x", "x", "y"]) == (3, 2)  # b2 and a3 moved
+    assert conversation_moves(trace, ["x", "y", "x", "y", "x"]) == (3, 0)
+    assert conversation_moves(trace, ["x", None, "x", "y", "x"]) == (2, 0)  # b's first server not known
 
 
 def test_l1_replay_lru_and_arc_miss_round_robin_sessions_that_lip_partly_keeps():
