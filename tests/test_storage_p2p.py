@@ -63,6 +63,23 @@ def test_with_serve_disk_what_l1_evicted_is_served_from_the_disk(url, redis_pref
         assert metrics.value("p2p_pull_failures", reason="missing") == 0
 
 
+def test_with_serve_disk_a_clear_of_every_tier_withdraws_every_entry(url, redis_prefix, tmp_path):
+    # vLLM's reset_prefix_cache(reset_external) empties L1 first, while the disk still holds each chunk (so L1's
+    # listener keeps them listed), then the disk: left listed, every later pull of them was a "missing" one,
+    # and each request that had planned that load recomputed all of it.
+    keys = [h.key(i) for i in range(40)]
+    with h.manager(url, redis_prefix, "A", l1_mib=0.125, p2p_serve_disk=True, disk=tmp_path) as a, \
+            h.manager(url, redis_prefix, "B") as b:
+        h.store(a, keys)
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == len(keys), what="entries of disk chunks")
+        assert a.clear(lower_tiers=True)
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == 0, what="the clear's withdrawals")
+        assert b.prefix_tiers(keys) == []
+        assert metrics.value("p2p_pull_failures", reason="missing") == 0
+        h.store(a, keys[:2])  # stored again: listed again
+        h.wait_until(lambda: h.entries(url, redis_prefix, a) == 2, what="entries of the new chunks")
+
+
 def test_never_pulls_from_its_own_instance(url, redis_prefix):
     keys = [h.key(i) for i in range(2)]
     with h.manager(url, redis_prefix, "A") as a, h.manager(url, redis_prefix, "A", rank=0) as a_again:

@@ -3,7 +3,8 @@
 `add(key)` when a chunk is stored into L1 (the P2P tier's write-through), `discard(key)` when it leaves L1
 (L1's removal listener, on any thread). `take()` hands the pending additions and withdrawals to the tier's
 flusher, which writes them in batches; a key added and gone again before a flush never reaches the directory.
-`ids()` is everything listed, for a full rewrite after the directory lost this rank's entries. Only the 8-byte
+`ids()` is everything listed, for a full rewrite after the directory lost this rank's entries; `clear()` lists
+nothing (every tier was emptied). Only the 8-byte
 ids are kept (a key's id is computed again when it leaves): two keys with one id would share an entry, a hint
 the pull's key check corrects. Thread-safe.
 """
@@ -44,6 +45,11 @@ class Adverts:
     def discard_many(self, keys: list[str]) -> None:
         for key in keys:
             self.discard(key)
+
+    def clear(self) -> None:
+        """Nothing is listed any more: the flusher's next full rewrite (`ids()`) empties the directory's set."""
+        with self._lock:
+            self._held, self._add, self._remove = set(), set(), set()
 
     def take(self) -> tuple[list[bytes], list[bytes]]:
         """(ids to add, ids to withdraw) since the last take."""

@@ -21,7 +21,9 @@
   server, which serves FETCHes from L1 (`transfer/keyed.py`), on `p2p_host` and `p2p_init_ports[rank]` (a
   single port: port + rank; none: one the OS picks). Before it, the tier finds and lists nothing. With
   `extra_config.p2p_serve_disk`, a chunk L1 evicts stays listed while the disk tier holds it, and is read from
-  there for a peer; the disk's own evictions are not seen: such an entry is withdrawn when a peer asks for it.
+  there for a peer; the disk's own evictions are not seen: such an entry is withdrawn when a peer asks for it. A
+  clear of every tier (vLLM's `/reset_prefix_cache?reset_external=true` with `reset_lower_tiers`) withdraws them
+  all (a management delete removes the disk copy before L1's, so L1's listener withdraws it).
 TP: keys carry the TP size and rank, so rank r pulls from rank r of instances with the same TP size; an
 instance of the same model at another TP size is named once in a warning (its chunks are recomputed here).
 """
@@ -393,7 +395,13 @@ class P2PTier(StorageBackend):
 
     # ------------------------------------------------------------------ the rest of StorageBackend
     async def clear(self) -> bool:
-        return True  # L1 was emptied first: its removal listener withdraws every entry
+        if self._disk is not None:
+            # L1 was emptied first, and its removal listener kept listed what the disk held then; the disk is
+            # emptied beside this tier: withdraw everything (a chunk stored since is listed again by its next store).
+            self.adverts.clear()
+            self._dirty = True
+            self._wake.set()
+        return True  # without p2p_serve_disk, L1's removal listener withdrew every entry
 
     async def close(self) -> None:
         self._unregister()
