@@ -16,15 +16,17 @@ every configuration pays the same overheads.
 Configurations (docs/ROUTING.md), each on emptied caches (vLLM's `/reset_prefix_cache?reset_external=true` with
 `reset_lower_tiers`: device, L1 and disk) behind a fresh router: `round_robin`; `cache_aware` (the router's
 approximate tree of what it sent where); `kv_aware` fed by our events and vLLM's (`--kv-event-source` per instance,
-vLLM's block size, the router's default tier credits: host 0.8, disk 0.3, external 0.6, or `--credits`); each also
+vLLM's block size, docs/ROUTING.md's tier credits for CPU: host 0.95, disk 0.9, or `--credits`); each also
 with P2P sharing (`<policy>_p2p`: `enable_p2p`, the directory in a local redis-server, each instance trusting the
 others' transfer ports, `p2p_serve_disk`), on a second set of instances.
 
 Per configuration: requests/s, TTFT p50/p99 (the client's), prompt tokens by where their KV came from summed over
 the instances (vLLM's prefix cache; our L1, disk, P2P), recomputed tokens, the requests each instance served, the
-servers' CPU seconds, and for kv_aware the router's decisions (how many credited a cached prefix, and how many
-tokens). Ratios (> 1: kv_aware better): `kv_aware.throughput_vs_<other>_ratio`, `kv_aware.ttft_p50_<other>_over_
-kv_aware_ratio`, the same for kv_aware_p2p. Goals (issue 41): kv_aware >= 1.3x round_robin's throughput and its TTFT
+servers' CPU seconds, our counters of hits that did not become loads (failed_load_tokens, read_alloc_failures,
+timeouts, p2p_pull_failures, p2p_skipped_peers), and for kv_aware the router's decisions (how many credited a cached
+prefix, how many tokens, and how many later turns of a conversation it sent elsewhere than the previous turn).
+Ratios (> 1: kv_aware better): `kv_aware.throughput_vs_<other>_ratio`, `kv_aware.ttft_p50_<other>_over_kv_aware_ratio`,
+the same for kv_aware_p2p. Goals (issue 41): kv_aware >= 1.3x round_robin's throughput and its TTFT
 p50 <= 0.6x; >= 1.1x cache_aware; never below round_robin_p2p. --quick: the tiny model, a small workload (a smoke
 test of the plumbing: its figures mean nothing). The figures that count come from a quiet machine.
 """
@@ -67,6 +69,8 @@ from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env 
 OUT = os.path.join(_common.REPO_ROOT, "bench_out")
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 TIERS = ("local_cpu", "local_disk", "p2p")
+FAULT_COUNTERS = ("failed_load_tokens", "read_alloc_failures", "async_load_timeouts", "lookup_timeouts",
+                  "p2p_pull_failures", "p2p_skipped_peers")
 
 
 class Fleet:
@@ -151,10 +155,11 @@ def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Work
             row[key] = row.get(key, 0.0) + value
         row["ours_p2p_tokens"] = row.get("ours_p2p_tokens", 0.0) + (
             a.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0) - b.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0))
-        # peers a lookup left out (untrusted, backing off, ...): a P2P run that pulls nothing says why
-        row["p2p_skipped_peers"] = row.get("p2p_skipped_peers", 0.0) + (
-            a.get(("lmcache_vllm:p2p_skipped_peers_total", ""), 0.0)
-            - b.get(("lmcache_vllm:p2p_skipped_peers_total", ""), 0.0))
+        # hits that did not become loads, and why (a P2P run that pulls nothing says why too)
+        for counter in FAULT_COUNTERS:
+            sample = f"lmcache_vllm:{counter}_total"
+            row[counter] = row.get(counter, 0.0) + sum(v for (n, _), v in a.items() if n == sample) - sum(
+                v for (n, _), v in b.items() if n == sample)
     served = [sum(v for (n, _), v in a.items() if n == "vllm:request_success_total")
               - sum(v for (n, _), v in b.items() if n == "vllm:request_success_total") for b, a in zip(before, after)]
     row["served_by_instance"] = "/".join(str(int(x)) for x in served)  # requests (the warm-ups excluded)
@@ -206,8 +211,9 @@ def main() -> None:
         p.add_argument("--l1-fraction", type=float, default=0.25, help="each instance's L1 as a fraction of the "
                        "conversations' KV (default 0.25)")
         p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (server, router and client logs)")
-        p.add_argument("--credits", nargs="*", default=[], metavar="TIER=CREDIT", help="kv_aware's tier credits "
-                       "(vllm-router's --kv-penalty-TIER; TIER: host, disk, external); default: the router's own")
+        p.add_argument("--credits", nargs="*", default=["host=0.95", "disk=0.9"], metavar="TIER=CREDIT",
+                       help="kv_aware's tier credits (vllm-router's --kv-penalty-TIER; TIER: host, disk, external); "
+                       "default: docs/ROUTING.md's for vLLM on CPU, host=0.95 disk=0.9 (none given: the router's own)")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
     args.json = args.json or os.path.join(OUT, "routing.json")
@@ -283,7 +289,10 @@ def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload
                   f"{row['router_decisions']} decisions ({row['router_credited_tokens']} tokens); an instance did "
                   f"not render the prompt in time {row['router_unprepared_inputs']} times; it sent "
                   f"{row['moved_turns']} of {row['later_turns']} later turns to another instance than the "
-                  f"conversation's previous turn; peers skipped by P2P lookups: {int(row['p2p_skipped_peers'])}")
+                  f"conversation's previous turn")
+    for name, row in rows.items():
+        faults = {c: int(row[c]) for c in FAULT_COUNTERS if row.get(c)}
+        print(f"{name}: {faults or 'no failed loads, read allocation failures, timeouts or skipped peers'}")
     _common.write_configurations(json_path, {"model": size, "cpu": _common.cpu_model(), "instances": instances,
                                              **{f"workload.{k}": v for k, v in asdict(w).items()}, **ratios(rows)},
                                  rows, failed)
