@@ -124,15 +124,19 @@ def metric(base: str, model: str, name: str, tier: str = "") -> float:
     return scrape(base).get((f"lmcache_vllm:{name}", tier), 0.0)
 
 
-def diagnosis(base: str, log: Path) -> str:
-    """What B's lookup saw (its P2P and lookup counters, its log's P2P lines): a failure says why."""
+def diagnosis(base: str, log: Path, model: str) -> str:
+    """What B's lookup and load saw (its lookup, P2P and load counters, its log's P2P and load lines): a failure
+    says why."""
     names = ("lookups_total", "lookup_timeouts_total", "pending_lookups_total", "p2p_lookups_total",
              "p2p_lookup_failures_total", "p2p_skipped_peers_total", "p2p_pull_failures_total",
-             "p2p_pulled_chunks_total", "p2p_lookup_seconds_sum", "lookup_seconds_sum", "storage_timeouts_total")
+             "p2p_pulled_chunks_total", "p2p_lookup_seconds_sum", "lookup_seconds_sum", "storage_timeouts_total",
+             "failed_load_tokens_total", "async_load_timeouts_total", "read_alloc_failures_total")
+    post(f"{base}/v1/completions", {"model": model, "prompt": h.random_tokens(6, 4), "max_tokens": 1})  # a step
     scraped = scrape(base)
     counters = {n: sum(v for (name, _), v in scraped.items() if name == f"lmcache_vllm:{n}") for n in names}
     lines = [ln for ln in log.read_text(errors="replace").splitlines()
-             if "P2P" in ln or "lookup" in ln.lower() or "Traceback" in ln or "Error" in ln][-30:]
+             if any(w in ln for w in ("P2P", "lookup", "could not be loaded", "not read within", "Recovered from KV",
+                                      "Traceback", "Error"))][-30:]
     return f"{log}: {counters}\n" + "\n".join(lines)
 
 
@@ -142,7 +146,7 @@ def test_b_serves_a_prompt_only_a_has_seen(instance_a, instance_b, reference, ti
     assert cold["num_cached_tokens"] == 0
     wait_listed(directory, 2 * TP)  # A's two whole chunks, on each rank
     warm = complete(instance_b[0], tiny_model, SHARED)
-    assert warm["num_cached_tokens"] == 512, diagnosis(*instance_b)
+    assert warm["num_cached_tokens"] == 512, diagnosis(*instance_b, tiny_model)
     h.assert_like_with_like(warm, reference["shared_again"], what="B, from A's chunks")
     assert metric(instance_b[0], tiny_model, "hit_tokens_total", "p2p") == 512
     assert metric(instance_b[0], tiny_model, "p2p_pulled_chunks_total") == 2 * TP  # rank r from A's rank r
