@@ -135,8 +135,8 @@ def diagnosis(base: str, log: Path, model: str) -> str:
     scraped = scrape(base)
     counters = {n: sum(v for (name, _), v in scraped.items() if name == f"lmcache_vllm:{n}") for n in names}
     lines = [ln for ln in log.read_text(errors="replace").splitlines()
-             if any(w in ln for w in ("P2P", "lookup", "could not be loaded", "not read within", "Recovered from KV",
-                                      "Traceback", "Error"))][-30:]
+             if any(w in ln for w in ("P2P:", "could not be loaded", "not read within", "Recovered from KV",
+                                      "Traceback"))][-30:]
     return f"{log}: {counters}\n" + "\n".join(lines)
 
 
