@@ -124,8 +124,8 @@ def cache_tokens(before: dict, after: dict) -> dict:
         return after.get((name, label), 0.0) - before.get((name, label), 0.0)
     by_source = "vllm:prompt_tokens_by_source_total"
     if (by_source, "local_compute") in after:
-        # Counted once per request's prefill. vLLM's prefix_cache_hits counts every look the scheduler takes at a
-        # waiting request, so a connector's "ask again" (a lookup still pending) counts its device hit again.
+        # Counted once per request's prefill. vLLM's prefix_cache_hits counts a request at each admission, and a
+        # request whose load failed from its first block is admitted again (vLLM's recovery): counted twice.
         local, external = delta(by_source, "local_cache_hit"), delta(by_source, "external_kv_transfer")
     else:  # a vLLM without the per-source counters
         local, external = delta("vllm:prefix_cache_hits_total"), delta("vllm:external_prefix_cache_hits_total")
