@@ -38,7 +38,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -62,7 +61,14 @@ from bench_conversations import (  # noqa: E402
 )
 from bench_serving import cache_tokens, server_args  # noqa: E402
 
-from lmcache_vllm.integration.vllm.testing.openai_server import free_port, post, scrape, serve, wait_for  # noqa: E402
+from lmcache_vllm.integration.vllm.testing.openai_server import (  # noqa: E402
+    free_port,
+    post,
+    reset_prefix_cache,
+    scrape,
+    serve,
+    wait_for,
+)
 from lmcache_vllm.integration.vllm.testing.router import decisions, route  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env  # noqa: E402
 
@@ -109,9 +115,7 @@ class Fleet:
         """Every cache empty (vLLM's device cache, our L1 and disk), seen in our gauges after a short request
         (which also warms the instance; our gauges reach /metrics with a step)."""
         for base in self.bases:
-            req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
-            with urllib.request.urlopen(req, timeout=120):
-                pass
+            reset_prefix_cache(base)
             for _ in range(30):
                 post(f"{base}/v1/completions", {"model": model, "prompt": "warm-up", "max_tokens": 2}, timeout=600)
                 resident = wait_for(base, lambda m: True)
@@ -157,11 +161,8 @@ def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Work
             a.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0) - b.get(("lmcache_vllm:hit_tokens_total", "p2p"), 0.0))
         # hits that did not become loads, and why (a P2P run that pulls nothing says why too)
         for counter in FAULT_COUNTERS:
-            sample = f"lmcache_vllm:{counter}_total"
-            row[counter] = row.get(counter, 0.0) + sum(v for (n, _), v in a.items() if n == sample) - sum(
-                v for (n, _), v in b.items() if n == sample)
-    served = [sum(v for (n, _), v in a.items() if n == "vllm:request_success_total")
-              - sum(v for (n, _), v in b.items() if n == "vllm:request_success_total") for b, a in zip(before, after)]
+            row[counter] = row.get(counter, 0.0) + growth(b, a, f"lmcache_vllm:{counter}_total")
+    served = [growth(b, a, "vllm:request_success_total") for b, a in zip(before, after)]
     row["served_by_instance"] = "/".join(str(int(x)) for x in served)  # requests (the warm-ups excluded)
     row["recomputed_tokens"] = row["prompt_tokens"] - row["vllm_prefix_cache_tokens"] - row["connector_tokens"]
     row["unbounded_tokens"] = sum(unbounded_hits(exchanges, BLOCK_SIZE))
@@ -178,6 +179,11 @@ def measure(name: str, policy: str, fleet: Fleet, tmp: Path, model: str, w: Work
           f"p99 {row['p99_ttft_ms']:.0f} ms; recomputed {int(row['recomputed_tokens'])} of "
           f"{int(row['prompt_tokens'])} prompt tokens; per instance {row['served_by_instance']}", flush=True)
     return row
+
+
+def growth(before: dict, after: dict, sample: str) -> float:
+    """How much a counter grew between two scrapes, summed over its labels."""
+    return sum(v for (n, _), v in after.items() if n == sample) - sum(v for (n, _), v in before.items() if n == sample)
 
 
 def served_by(exchanges: list, chosen: list[dict[str, str]]) -> list[str | None]:

@@ -16,13 +16,18 @@ import os
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import e2e_harness as h
 import pytest
 
-from lmcache_vllm.integration.vllm.testing.openai_server import cached_tokens, scrape, serve, wait_for
+from lmcache_vllm.integration.vllm.testing.openai_server import (
+    cached_tokens,
+    reset_prefix_cache,
+    scrape,
+    serve,
+    wait_for,
+)
 from lmcache_vllm.integration.vllm.testing.openai_server import launcher as _launcher
 from lmcache_vllm.integration.vllm.testing.openai_server import post as _post
 
@@ -220,9 +225,7 @@ def test_reset_prefix_cache_empties_l1_and_the_disk_serves_next(server):
     _completion(base, model, prompt)
     assert _cached(_completion(base, model, prompt)) == 512
     before = _wait_for(base, lambda m: True)
-    req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        assert json.loads(resp.read()) == {"success": True}
+    assert reset_prefix_cache(base, timeout=60) == {"success": True}
     again = _cached(_completion(base, model, prompt))
     assert again == 512  # all of it from the disk tier: nothing from L1
     got = _wait_for(base, lambda m: m.get((HIT, "local_disk"), 0) - before.get((HIT, "local_disk"), 0) >= again)

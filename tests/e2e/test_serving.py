@@ -13,8 +13,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -52,9 +50,7 @@ CORRUPT_DISK = ("lmcache_vllm:corrupt_chunks_total", "local_disk")
 
 
 def reset_l1(base: str) -> None:
-    req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        assert resp.status == 200
+    serving.reset_prefix_cache(base, timeout=60)  # an error status raises
 
 
 NUDGE_PROMPT = h.random_tokens(93, 8)  # shorter than a chunk: nothing to look up or store (save_unfull_chunk off)

@@ -43,6 +43,15 @@ def post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]
         return answer
 
 
+def reset_prefix_cache(base: str, timeout: float = 120) -> dict[str, Any]:
+    """vLLM's `/reset_prefix_cache?reset_external=true` (the server needs VLLM_SERVER_DEV_MODE=1): its device cache
+    and our L1 (and the lower tiers with `reset_lower_tiers`) emptied; vLLM's answer (`{"success": ...}`)."""
+    req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+        return answer
+
+
 def cached_tokens(answer: dict[str, Any]) -> int:
     """Prompt tokens an OpenAI completion says came from a cache (needs --enable-prompt-tokens-details)."""
     cached: int = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
