@@ -70,6 +70,30 @@ def test_gauges_are_read_when_asked_and_sent_when_changed():
     assert rec.snapshot()["gauges"] == {}
 
 
+def test_a_take_with_nothing_counted_reads_the_gauges_at_most_every_interval(monkeypatch):
+    # vLLM takes every step: a decode step that counted nothing must not call every gauge function.
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    rec = Recorder(source="w0", gauge_interval_s=1.0)
+    reads = []
+
+    def gauges():
+        reads.append(now[0])
+        yield "used_bytes", {"tier": "local_cpu"}, len(reads)
+
+    rec.register_gauges(gauges)
+    assert rec.take()["gauges"] == {"used_bytes": {"local_cpu": {"w0": 1.0}}}  # the first take reads them
+    now[0] += 0.5
+    assert metrics.is_empty(rec.take()) and len(reads) == 1  # quiet, within the interval: not read
+    rec.inc("stored_tokens", 128)  # something counted: the gauges it moved go with it
+    assert rec.take()["gauges"] == {"used_bytes": {"local_cpu": {"w0": 2.0}}}
+    now[0] += 0.9
+    assert rec.take()["gauges"] == {} and len(reads) == 2
+    now[0] += 0.2  # the interval passed since the last read: a gauge that moved alone is sent now
+    assert rec.take()["gauges"] == {"used_bytes": {"local_cpu": {"w0": 3.0}}}
+    assert metrics.RECORDER.gauge_interval_s == metrics.GAUGE_INTERVAL_S > 0
+
+
 def test_engine_scope_counts_once_per_engine_and_ranks_merge():
     rank0, rank1 = Recorder(source="r0"), Recorder(source="r1")
     rank1.primary = False
