@@ -72,6 +72,9 @@ class LoadPipeline:
         self._thread: LoadThread[tuple[LoadSpec, torch.Tensor]] | None = (
             LoadThread(len(kv_caches), timeout_s) if overlap and self.grouped is None and kv_caches else None)
         self._next_layer = 0
+        # Whether this step copies anything layer by layer: most steps (every decode step) do not, and vLLM
+        # asks about every layer of them twice (`wait_for_layer`), so the answer must not cost a lock then.
+        self._copying = False
         self.failed: set[str] = set()
         self._agreed = False
 
@@ -83,10 +86,12 @@ class LoadPipeline:
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
         # Nothing is left running unless a step ended early (vLLM paused the cache): no copy may go on then.
-        if self._thread is not None:
-            for tag, exc, layer in self._thread.stop():
-                self._layer_failed(tag, exc, layer)
-        self._retrievers.close()
+        if self._copying:
+            if self._thread is not None:
+                for tag, exc, layer in self._thread.stop():
+                    self._layer_failed(tag, exc, layer)
+            self._retrievers.close()
+            self._copying = False
         self._next_layer = 0
         self.failed = set()
         self._agreed = False
@@ -103,6 +108,7 @@ class LoadPipeline:
                 if spec.is_async:
                     self._unloaded.add(spec.req_id)  # reported done (failed), never left waiting
             return
+        self._copying = self._copying or any(not spec.is_async for spec in meta.loads)
         for spec in meta.loads:
             if spec.is_async:
                 self.requests.begin_async(spec)
@@ -222,6 +228,8 @@ class LoadPipeline:
             self._copy_to(target)
 
     def _copy_to(self, target: int) -> None:
+        if not self._copying:
+            return
         if self._thread is not None:  # finished or not, it may hold failures not reported yet
             for tag, exc, layer in self._thread.wait(target):
                 self._layer_failed(tag, exc, layer)
