@@ -23,7 +23,8 @@ likely tokens (-1: the whole vocabulary; needs "max_logprobs": -1 in llm_kwargs)
 Prompts of one phase go to vLLM in one `generate` call (they run as one concurrent batch); phases run
 one after another. The output holds per prompt the greedy output token ids and `num_cached_tokens`, per
 phase its wall time and process CPU time, under `kv_cache` whether vLLM kept its hybrid KV cache manager
-on and (in-process engines) the kinds of its KV cache groups, and under `stats` this process's metrics (`metrics.flat`:
+on and (in-process engines) the kinds of its KV cache groups, under `threads` the CPU seconds of its threads
+by OS thread name and allowed CPUs, and under `stats` this process's metrics (`metrics.flat`:
 `{"loaded_tokens": ..., "chunk_hits.redis": ..., "load_seconds.sum": ...}`; the scheduler and a single
 worker share this process, the workers of a TP>1 engine do not).
 """
@@ -50,6 +51,30 @@ def _connector_stats() -> dict[str, Any]:
     except Exception as exc:  # stats are best effort: the job's results matter more
         return {"error": repr(exc), **metrics.flat(metrics.snapshot())}
     return metrics.flat(metrics.snapshot())
+
+
+def _thread_cpu() -> dict[str, dict[str, Any]]:
+    """CPU seconds of this process's threads so far, by OS thread name and allowed CPUs ("name@0,1"; Linux,
+    else {}): which threads took the time, and whether ours stayed off the model's compute cores."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            cpus = sorted(os.sched_getaffinity(int(tid)))
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        utime, stime = (int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13])
+        entry = out.setdefault(f"{name}@{','.join(map(str, cpus))}", {"threads": 0, "cpu_s": 0.0})
+        entry["threads"] += 1
+        entry["cpu_s"] = round(entry["cpu_s"] + (utime + stime) / ticks, 2)
+    return out
 
 
 def _first_token_latency(output) -> float | None:
@@ -145,7 +170,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                          "ttft_s": _first_token_latency(o),
                          **({"logprobs": _logprobs(o)} if logprobs is not None else {})} for o in outputs],
         })
-    result = {"startup_s": startup_s, "phases": phases, "kv_cache": _kv_cache(llm), "stats": _connector_stats()}
+    result = {"startup_s": startup_s, "phases": phases, "kv_cache": _kv_cache(llm), "stats": _connector_stats(),
+              "threads": _thread_cpu()}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
     # process started after this one finds everything this one stored.
     t0 = time.perf_counter()
