@@ -14,7 +14,9 @@ machine hits all of them; a process first runs one unmeasured batch. Configurati
   `local_disk` 4 GiB);
 - `ours_decode` / `ours_no_decode`: the same with `save_decode_cache` on / off (whatever the default is),
   so that a default can be decided from the no-reuse cost of storing every generated chunk (the benefit is
-  measured on conversations: bench_conversations.py).
+  measured on conversations: bench_conversations.py);
+- `ours_l1` (no disk tier) and `ours_load_only` (`kv_consumer`: lookups and loads, no saves), only when named
+  with `--only`: which part of the connector costs what.
 
 Full: the `medium` local Llama, 4 prompts x 3900 tokens per batch, 256 output tokens (two whole 128-token
 chunks generated per request), 3 measured batches, 3 rounds. --quick: the `tiny` model, 1400-token prompts,
@@ -34,17 +36,20 @@ from _common import parse_args, print_table, write_json
 from lmcache_vllm.integration.vllm.testing.local_model import build_model
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
-CONFIGS = ("plain", "plain_again", "ours", "ours_decode", "ours_no_decode")
+CONFIGS = ("plain", "plain_again", "ours", "ours_decode", "ours_no_decode", "ours_l1", "ours_load_only")
+DEFAULT_CONFIGS = CONFIGS[:5]
 
 
 def _connector(name: str, l2: Path) -> dict | None:
     if name.startswith("plain"):
         return None
-    extra: dict = {"max_local_cpu_size": 2.0, "local_disk": str(l2), "max_local_disk_size": 4.0,
-                   "extra_config": {"prefault_local_cpu": "sync"}}
-    if name != "ours":
+    extra: dict = {"max_local_cpu_size": 2.0, "extra_config": {"prefault_local_cpu": "sync"}}
+    if name != "ours_l1":
+        extra.update(local_disk=str(l2), max_local_disk_size=4.0)
+    if name in ("ours_decode", "ours_no_decode"):
         extra["save_decode_cache"] = name == "ours_decode"
-    return dict(CONNECTOR, kv_connector_extra_config=extra)
+    role = "kv_consumer" if name == "ours_load_only" else "kv_both"
+    return dict(CONNECTOR, kv_role=role, kv_connector_extra_config=extra)
 
 
 def _our_thread_cpu(result: dict) -> float:
@@ -56,12 +61,15 @@ def main() -> None:
     def add_arguments(p) -> None:
         p.add_argument("--rounds", type=int, default=None, help="processes per configuration (default 3, --quick 2)")
         p.add_argument("--output-tokens", type=int, default=256, help="generated tokens per request")
-        p.add_argument("--only", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+        p.add_argument("--batches", type=int, default=None, help="measured batches per process (default 3, "
+                       "--quick 2)")
+        p.add_argument("--only", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS),
                        help="configurations to run (plain is always run: it is the baseline)")
 
     args = parse_args(__doc__.splitlines()[0], add_arguments)
     size, prompt_len, batch, batches = ("tiny", 1400, 4, 2) if args.quick else ("medium", 3900, 4, 3)
     rounds = args.rounds or (2 if args.quick else 3)
+    batches = args.batches or batches
     configs = ["plain"] + [c for c in args.only if c != "plain"]
     model = str(build_model(size))
     kwargs = {"dtype": "bfloat16", "max_model_len": prompt_len + args.output_tokens + 64, "enforce_eager": True,
