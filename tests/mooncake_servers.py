@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,9 +62,15 @@ class Child(Process):
     def __init__(self, args: list[str], log: Path):
         super().__init__(args, port=0)
         self.log = log
+        self.killed = False  # by kill(); what exited on its own was not
+
+    def kill(self) -> None:
+        self.killed = True
+        super().kill()
 
     def start(self, timeout: float = 0.0) -> None:
         """Starts it; the caller waits for what it needs (a port, a mounted segment)."""
+        self.killed = False
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, **CHILD_ENV})
@@ -143,9 +150,19 @@ class MooncakeStore:
         return int(self.metrics().get("master_key_count", 0))
 
     def restart_master(self) -> None:
-        """Kills the master and starts a new, empty one on the same port; the hosts mount their segments again."""
+        """Kills the master and starts a new, empty one on the same port; the hosts mount their segments again.
+
+        A storage host that exited while its master was away (a `mooncake_client` once did, at the restart, on a
+        loaded CI machine: Mooncake's fault, not the tier's under test) is started again, with a warning that
+        pytest's summary shows, quoting the end of its log; hosts the caller killed stay dead."""
         self.master.kill()
         self.start_master()
+        for host in self.hosts:
+            if host.proc is not None and not host.killed and not host.alive:
+                tail = host.log.read_text(errors="replace").splitlines()[-5:]
+                warnings.warn(f"a mooncake_client exited (code {host.proc.returncode}) while its master was "
+                              f"away; started again. The end of {host.log}: " + " | ".join(tail), stacklevel=2)
+                host.start()
         self.wait_capacity(sum(1 for h in self.hosts if h.alive))
 
     def stop(self) -> None:
