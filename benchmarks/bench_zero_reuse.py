@@ -4,8 +4,11 @@ without the connector, a second run without it as the noise floor, and `save_dec
     python benchmarks/bench_zero_reuse.py [--quick] [--rounds N] [--output-tokens N] [--json FILE]
 
 Each round runs every configuration once, each in its own vLLM process (in-process engine, the same thread
-binding as every job: `VLLM_CPU_OMP_THREADS_BIND=0`), in the same order, so that a slow spell of the shared
-machine hits all of them; a process first runs one unmeasured batch. Configurations:
+binding as every job: `VLLM_CPU_OMP_THREADS_BIND=0`), so that a slow spell of the shared machine hits all of
+them; a process first runs one unmeasured batch. Round r starts r places further into the list (round 0:
+plain first, round 1: the second configuration first...): the position of a process in a round was seen to
+matter more than its configuration (the 2nd and 3rd processes of a round ran ~5 % slower, whatever they ran),
+so with as many rounds as configurations each one runs once in every position. Configurations:
 
 - `plain`: vLLM alone (the baseline of every ratio);
 - `plain_again`: vLLM alone once more: its ratio to `plain` is what two identical processes differ by on
@@ -19,10 +22,10 @@ machine hits all of them; a process first runs one unmeasured batch. Configurati
   with `--only`: which part of the connector costs what.
 
 Full: the `medium` local Llama, 4 prompts x 3900 tokens per batch, 256 output tokens (two whole 128-token
-chunks generated per request), 3 measured batches, 3 rounds. --quick: the `tiny` model, 1400-token prompts,
-2 batches, 2 rounds. Reported per configuration: requests/s of its best and median batch, their ratios to
-`plain`, and the CPU seconds per batch of the connector's own threads (by OS thread name, from
-/proc: `lmcache-*`), which are bound off vLLM's compute core. Every output is compared with `plain`'s: same
+chunks generated per request), 3 measured batches. --quick: the `tiny` model, 1400-token prompts, 2 batches.
+Reported per configuration: requests/s of its best and median batch, their ratios to `plain`, and the CPU
+seconds per batch of the connector's own threads (by OS thread name, from /proc: `lmcache-*`), which are
+bound off vLLM's compute core. Every output is compared with `plain`'s: same
 prompts, same scheduler settings, no hits, so the tokens must be identical (`outputs_identical`).
 """
 from __future__ import annotations
@@ -59,7 +62,8 @@ def _our_thread_cpu(result: dict) -> float:
 
 def main() -> None:
     def add_arguments(p) -> None:
-        p.add_argument("--rounds", type=int, default=None, help="processes per configuration (default 3, --quick 2)")
+        p.add_argument("--rounds", type=int, default=None, help="processes per configuration (default: as many "
+                       "as configurations, so each runs once in every position of a round)")
         p.add_argument("--output-tokens", type=int, default=256, help="generated tokens per request")
         p.add_argument("--batches", type=int, default=None, help="measured batches per process (default 3, "
                        "--quick 2)")
@@ -68,9 +72,9 @@ def main() -> None:
 
     args = parse_args(__doc__.splitlines()[0], add_arguments)
     size, prompt_len, batch, batches = ("tiny", 1400, 4, 2) if args.quick else ("medium", 3900, 4, 3)
-    rounds = args.rounds or (2 if args.quick else 3)
     batches = args.batches or batches
     configs = ["plain"] + [c for c in args.only if c != "plain"]
+    rounds = args.rounds or len(configs)
     model = str(build_model(size))
     kwargs = {"dtype": "bfloat16", "max_model_len": prompt_len + args.output_tokens + 64, "enforce_eager": True,
               "seed": 0, "max_num_batched_tokens": max(8192, batch * (prompt_len + 64)),
@@ -85,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_zero_reuse_") as tmpdir:
         tmp = Path(tmpdir)
         for r in range(rounds):
-            for name in configs:
+            for name in configs[r % len(configs):] + configs[:r % len(configs)]:
                 job = {"model": model, "llm_kwargs": kwargs, "phases": phases}
                 connector = _connector(name, tmp / f"l2_{name}_{r}")
                 if connector:
