@@ -68,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     prompt_len = args.len or (1400 if args.quick else 3900)
     hits = args.hits or (5 if args.quick else 10)
 
-    from lmcache_vllm.integration.vllm.testing.local_model import build_model
     from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, vllm_env
 
     tmp = Path(tempfile.mkdtemp(prefix="lmv-profile-"))
-    os.environ.update(vllm_env(tmp, kv_cache_gib=2))
+    os.environ.update(vllm_env(tmp, kv_cache_gib=2))  # before torch loads OpenMP, which reads its variables then
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from lmcache_vllm.integration.vllm.testing.local_model import build_model
 
     extra: dict = {"max_local_cpu_size": 2}
     if args.chunk_size:

@@ -27,8 +27,6 @@ import os
 import threading
 from typing import Any, Callable, Iterable, Optional
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 _cpus: Optional[frozenset[int]] = None
@@ -108,6 +106,9 @@ def _omp_setter() -> Callable[[int], Any] | None:
 def single_threaded_torch() -> bool:
     """Makes parallel torch ops (and our compiled ops) called from the current thread run on it alone.
     Only this thread is affected. Returns False where the OpenMP runtime could not be reached."""
+    import torch  # here, not at the top: the rest of this module is used before torch loads OpenMP, which
+    # reads its variables then (testing/vllm_jobs.py sets them for an engine in its own process)
+
     torch.get_num_threads()  # torch sets a new thread's OpenMP thread count on first use; do that first
     setter = _omp_setter()
     if setter is None:

@@ -114,3 +114,35 @@ def test_background_cpus_of_an_in_process_engine_bound_explicitly(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert background_cpus_for(None, "inherit") is None  # type: ignore[arg-type]
     assert background_cpus_for(None, "2") == {2}  # type: ignore[arg-type]
+
+
+def test_an_in_process_engine_on_a_wider_team_than_its_binding_is_warned_about(monkeypatch, caplog):
+    """vLLM 0.32 binds only its multiprocess engine's workers: an in-process engine's OpenMP team may span the
+    CPUs our threads were given. The log says so and how to bind it; a team as wide as the binding is quiet."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from lmcache_vllm.integration.vllm import threads
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(threads, "_host_cpus", lambda: {0, 1, 2, 3})
+    for team, warned in ((2, True), (1, False)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda team=team: team)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=threads.__name__):
+            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+            assert threads.background_cpus_for(None, "auto") == {1, 2, 3}  # type: ignore[arg-type]
+        text = " ".join(r.getMessage() for r in caplog.records)
+        assert ("OMP_NUM_THREADS=1 OMP_PLACES='{0}' OMP_PROC_BIND=true" in text) is warned, (team, text)
+
+
+def test_in_process_jobs_get_the_openmp_binding_a_worker_gets(tmp_path):
+    """testing/vllm_jobs: an engine in the job's process gets the OpenMP variables vLLM's multiprocess engine
+    gives a worker bound to the same CPUs; a multiprocess job gets none (vLLM sets them for its workers)."""
+    from lmcache_vllm.integration.vllm.testing.vllm_jobs import vllm_env
+
+    env = vllm_env(tmp_path / "bound", threads_bind="0-2")
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"], env["OMP_PROC_BIND"]) == ("3", "{0,1,2}", "true")
+    for i, kwargs in enumerate(({"multiprocessing": True}, {"threads_bind": "0|1"}, {"threads_bind": "auto"})):
+        env = vllm_env(tmp_path / str(i), **kwargs)  # type: ignore[arg-type]
+        assert env.get("OMP_PLACES") == os.environ.get("OMP_PLACES"), kwargs

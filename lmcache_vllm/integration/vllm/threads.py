@@ -74,4 +74,23 @@ def _beside_in_process_binding(binding: str) -> frozenset[int] | None:
             compute |= parse_cpu_list(part)
     except ValueError:
         return None
-    return frozenset(_host_cpus() - compute) or None
+    beside = frozenset(_host_cpus() - compute) or None
+    _warn_unbound_team(binding, compute, beside)
+    return beside
+
+
+def _warn_unbound_team(binding: str, compute: set[int], beside: frozenset[int] | None) -> None:
+    """vLLM 0.32 applies VLLM_CPU_OMP_THREADS_BIND only to the worker processes of its multiprocess engine (as
+    OpenMP variables set before starting them); an engine in this process computes on an OpenMP team as wide
+    as torch's default, over CPUs the binding left to our threads. Measured on 2 cores: our saves then cost
+    the model more time than their own CPU time. Called from the thread the engine computes on."""
+    import torch
+
+    team = torch.get_num_threads()
+    if team > len(compute):
+        logger.warning("vLLM's engine in this process computes on %d OpenMP threads, but "
+                       "VLLM_CPU_OMP_THREADS_BIND=%s names %d CPU(s): vLLM applies that binding only to the "
+                       "workers of its multiprocess engine. Our background threads (CPUs %s) share cores with "
+                       "the model's. To bind this engine as vLLM binds a worker, start Python with "
+                       "OMP_NUM_THREADS=%d OMP_PLACES='{%s}' OMP_PROC_BIND=true", team, binding, len(compute),
+                       sorted(beside) if beside else "none", len(compute), ",".join(map(str, sorted(compute))))

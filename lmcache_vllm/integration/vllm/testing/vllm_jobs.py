@@ -4,6 +4,13 @@ Used by the e2e tests, the demo and the end-to-end benchmark. Every run gets the
 (`VLLM_CPU_OMP_THREADS_BIND=0`, one compute thread): with a connector configured vLLM reserves a core and
 would otherwise compute with a different thread count than a run without one, which changes greedy tokens
 for reasons unrelated to the cache. vLLM's caches, sockets and temp files stay inside the job's directory.
+
+vLLM 0.32 applies that binding only in the worker processes of its multiprocess engine (as OpenMP variables
+set before it starts them: `vllm.utils.ompmultiprocessing`). An engine in the job's own process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what offline jobs use) ignored it and computed on an OpenMP team over
+every CPU of the host, our background threads' CPU included: on 2 cores a save then slowed the model's
+parallel regions by more than the save's own CPU time. So `vllm_env` gives an in-process engine the same
+OpenMP variables the multiprocess engine gives its worker (`_omp_binding`): both compute alike.
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from lmcache_vllm.cpu_affinity import parse_cpu_list
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 _MAX_RPC_DIR_LEN = 60  # + "/" + a 36-character uuid stays well inside a Unix socket path
@@ -54,11 +63,24 @@ def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
         "PYTHONHASHSEED": str(hash_seed),
         "TOKENIZERS_PARALLELISM": "false",
     })
+    if not multiprocessing:
+        env.update(_omp_binding(threads_bind))
     env.pop("LMCACHE_CONFIG_FILE", None)
     for name in list(env):
         if name.startswith("LMCACHE_") and name != "LMCACHE_VLLM_MODEL_CACHE":
             env.pop(name)  # the job's own config decides, not the caller's shell
     return env
+
+
+def _omp_binding(threads_bind: str) -> dict[str, str]:
+    """The OpenMP variables vLLM's multiprocess engine sets for a worker bound to `threads_bind` (one rank's
+    CPU list, e.g. "0" or "0-3"; `auto`, `nobind` or several ranks: none). OMP_PLACES and OMP_PROC_BIND are
+    OpenMP's own names, which GNU and Intel OpenMP both read."""
+    if threads_bind in ("auto", "nobind") or "|" in threads_bind:
+        return {}
+    cpus = sorted(parse_cpu_list(threads_bind))
+    return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+            "OMP_PROC_BIND": "true"}
 
 
 def run_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0, timeout: int = 1800,
