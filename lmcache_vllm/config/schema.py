@@ -71,7 +71,9 @@ class LMCacheConfig:
     save_unfull_chunk: bool = setting(
         False, "also store the trailing partial chunk: an exact repeat then loads all but its last token "
                "(with whole chunks, up to chunk_size - 1 tokens are recomputed)")
-    save_decode_cache: bool = setting(False, "also store KV produced while decoding")
+    save_decode_cache: bool = setting(
+        True, "also store KV produced while decoding: a conversation's next turn, which repeats the answer, loads "
+              "it instead of recomputing it (docs/BENCHMARKS.md: conversations and no reuse)")
     use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
     enable_async_loading: bool = setting(
         True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
