@@ -48,6 +48,15 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def openmp_binding(cpus: Iterable[int]) -> dict[str, str]:
+    """The OpenMP variables that bind a process's OpenMP team to `cpus`, as vLLM's multiprocess engine binds a
+    worker (`vllm.utils.ompmultiprocessing`); OMP_PLACES and OMP_PROC_BIND are OpenMP's own names, which GNU and
+    Intel OpenMP both read. They take effect only if set before torch loads OpenMP."""
+    ordered = sorted(cpus)
+    return {"OMP_NUM_THREADS": str(len(ordered)), "OMP_PLACES": "{" + ",".join(map(str, ordered)) + "}",
+            "OMP_PROC_BIND": "true"}
+
+
 def set_background_cpus(cpus: Optional[Iterable[int]]) -> None:
     """The CPUs our background threads started from now on run on (None or empty: where they are)."""
     global _cpus

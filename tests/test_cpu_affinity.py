@@ -126,11 +126,11 @@ def test_an_in_process_engine_on_a_wider_team_than_its_binding_is_warned_about(m
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setattr(threads, "_host_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     for team, warned in ((2, True), (1, False)):
         monkeypatch.setattr(torch, "get_num_threads", lambda team=team: team)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=threads.__name__):
-            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
             assert threads.background_cpus_for(None, "auto") == {1, 2, 3}  # type: ignore[arg-type]
         text = " ".join(r.getMessage() for r in caplog.records)
         assert ("OMP_NUM_THREADS=1 OMP_PLACES='{0}' OMP_PROC_BIND=true" in text) is warned, (team, text)

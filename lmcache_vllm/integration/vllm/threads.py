@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmcache_vllm.cpu_affinity import parse_cpu_list
+from lmcache_vllm.cpu_affinity import openmp_binding, parse_cpu_list
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,6 +92,6 @@ def _warn_unbound_team(binding: str, compute: set[int], beside: frozenset[int] |
         logger.warning("vLLM's engine in this process computes on %d OpenMP threads, but "
                        "VLLM_CPU_OMP_THREADS_BIND=%s names %d CPU(s): vLLM applies that binding only to the "
                        "workers of its multiprocess engine. Our background threads (CPUs %s) share cores with "
-                       "the model's. To bind this engine as vLLM binds a worker, start Python with "
-                       "OMP_NUM_THREADS=%d OMP_PLACES='{%s}' OMP_PROC_BIND=true", team, binding, len(compute),
-                       sorted(beside) if beside else "none", len(compute), ",".join(map(str, sorted(compute))))
+                       "the model's. To bind this engine as vLLM binds a worker, start Python with %s", team,
+                       binding, len(compute), sorted(beside) if beside else "none",
+                       " ".join(f"{name}={shlex.quote(value)}" for name, value in openmp_binding(compute).items()))

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lmcache_vllm.cpu_affinity import parse_cpu_list
+from lmcache_vllm.cpu_affinity import openmp_binding, parse_cpu_list
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 _MAX_RPC_DIR_LEN = 60  # + "/" + a 36-character uuid stays well inside a Unix socket path
@@ -74,13 +74,10 @@ def vllm_env(tmp: Path, *, hash_seed: int = 0, multiprocessing: bool = False,
 
 def _omp_binding(threads_bind: str) -> dict[str, str]:
     """The OpenMP variables vLLM's multiprocess engine sets for a worker bound to `threads_bind` (one rank's
-    CPU list, e.g. "0" or "0-3"; `auto`, `nobind` or several ranks: none). OMP_PLACES and OMP_PROC_BIND are
-    OpenMP's own names, which GNU and Intel OpenMP both read."""
+    CPU list, e.g. "0" or "0-3"; `auto`, `nobind` or several ranks: none)."""
     if threads_bind in ("auto", "nobind") or "|" in threads_bind:
         return {}
-    cpus = sorted(parse_cpu_list(threads_bind))
-    return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
-            "OMP_PROC_BIND": "true"}
+    return openmp_binding(parse_cpu_list(threads_bind))
 
 
 def run_job(tmp: Path, name: str, job: dict[str, Any], *, hash_seed: int = 0, timeout: int = 1800,
