@@ -53,7 +53,7 @@ def _connector_stats() -> dict[str, Any]:
     return metrics.flat(metrics.snapshot())
 
 
-def _thread_cpu() -> dict[str, dict[str, Any]]:
+def thread_cpu() -> dict[str, dict[str, Any]]:
     """CPU seconds of this process's threads so far, by OS thread name and allowed CPUs ("name@0,1"; Linux,
     else {}): which threads took the time, and whether ours stayed off the model's compute cores."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -83,7 +83,7 @@ def _first_token_latency(output) -> float | None:
     return float(latency) if latency else None
 
 
-def _flush_writes(timeout_s: float = 60.0) -> None:
+def flush_writes(timeout_s: float = 60.0) -> None:
     """Waits until the connector's background saves and its queued lower-tier writes are done."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -153,7 +153,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if phase.get("wait_for_file"):
             _wait_for_file(phase["wait_for_file"])
         if phase.get("flush_writes"):
-            _flush_writes()
+            flush_writes()
         logprobs = phase.get("logprobs")
         params = SamplingParams(temperature=0.0, max_tokens=int(phase.get("max_tokens", 8)),
                                 ignore_eos=True, logprobs=None if logprobs is None else int(logprobs))
@@ -171,7 +171,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                          **({"logprobs": _logprobs(o)} if logprobs is not None else {})} for o in outputs],
         })
     result = {"startup_s": startup_s, "phases": phases, "kv_cache": _kv_cache(llm), "stats": _connector_stats(),
-              "threads": _thread_cpu()}
+              "threads": thread_cpu()}
     # Shut the engine down explicitly: the connector then drains its queued disk/Redis writes, so a
     # process started after this one finds everything this one stored.
     t0 = time.perf_counter()
