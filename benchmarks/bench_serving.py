@@ -134,6 +134,11 @@ def cache_tokens(before: dict, after: dict) -> dict:
            "connector_tokens": external}
     for tier in ("local_cpu", "local_disk", "redis"):
         out[f"ours_{tier}_tokens"] = delta("lmcache_vllm:hit_tokens_total", tier)
+    # Where a hit's time goes on the worker: starting its loads in the step, and the forward waiting for
+    # layers the load thread had not copied yet (both 0 without our connector).
+    out["ours_load_s"] = delta("lmcache_vllm:load_seconds_sum")
+    out["ours_loads"] = delta("lmcache_vllm:load_seconds_count")
+    out["ours_load_wait_s"] = delta("lmcache_vllm:load_wait_seconds_total")
     return out
 
 
@@ -171,7 +176,9 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: 
                         "total_input_tokens"):
                 row[key] = result.get(key)
             print(f"   {pass_name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
-                  f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms", flush=True)
+                  f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms; our loads "
+                  f"{row['ours_loads']:.0f}: {row['ours_load_s']:.2f} s in the step, the forward waited "
+                  f"{row['ours_load_wait_s']:.2f} s for the load thread", flush=True)
             rows[pass_name] = row
     return rows
 
