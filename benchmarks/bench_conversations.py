@@ -194,8 +194,6 @@ def counters(before: dict, after: dict) -> dict:
                                "ours_store_skipped_tokens": ("store_skipped_tokens_total", ""),
                                "ours_failed_load_tokens": ("failed_load_tokens_total", ""),
                                "ours_save_wait_seconds": ("save_wait_seconds_total", ""),
-                               "ours_lookup_seconds": ("lookup_seconds_sum", ""),
-                               "ours_lookups": ("lookup_seconds_count", ""),
                                "ours_load_requests": ("load_requests_total", ""),
                                "ours_async_load_requests": ("async_load_requests_total", ""),
                                "preemptions": ("vllm:num_preemptions_total", ""),

@@ -139,6 +139,9 @@ def cache_tokens(before: dict, after: dict) -> dict:
     out["ours_load_s"] = delta("lmcache_vllm:load_seconds_sum")
     out["ours_loads"] = delta("lmcache_vllm:load_seconds_count")
     out["ours_load_wait_s"] = delta("lmcache_vllm:load_wait_seconds_total")
+    # The scheduler's lookups (a socket round trip when vLLM's worker is another process): its step waits.
+    out["ours_lookup_s"] = delta("lmcache_vllm:lookup_seconds_sum")
+    out["ours_lookups"] = delta("lmcache_vllm:lookup_seconds_count")
     return out
 
 
@@ -178,7 +181,8 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: 
             print(f"   {pass_name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
                   f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms; our loads "
                   f"{row['ours_loads']:.0f}: {row['ours_load_s']:.2f} s in the step, the forward waited "
-                  f"{row['ours_load_wait_s']:.2f} s for the load thread", flush=True)
+                  f"{row['ours_load_wait_s']:.2f} s for the load thread; {row['ours_lookups']:.0f} lookups took "
+                  f"{row['ours_lookup_s']:.2f} s of the scheduler's", flush=True)
             rows[pass_name] = row
     return rows
 
