@@ -36,6 +36,7 @@ from pathlib import Path
 
 from _common import parse_args, print_table, write_json
 
+from lmcache_vllm.integration.vllm.offline_job import connector_thread_cpu
 from lmcache_vllm.integration.vllm.testing.local_model import build_model
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, random_tokens, run_job
 
@@ -53,11 +54,6 @@ def _connector(name: str, l2: Path) -> dict | None:
         extra["save_decode_cache"] = name == "ours_decode"
     role = "kv_consumer" if name == "ours_load_only" else "kv_both"
     return dict(CONNECTOR, kv_role=role, kv_connector_extra_config=extra)
-
-
-def _our_thread_cpu(result: dict) -> float:
-    """CPU seconds of the connector's threads in one process (`offline_job`'s per-thread accounting)."""
-    return sum(t["cpu_s"] for name, t in result.get("threads", {}).items() if name.startswith("lmcache"))
 
 
 def main() -> None:
@@ -97,13 +93,13 @@ def main() -> None:
                 result = run_job(tmp, f"{name}{r}", job, hash_seed=1, kv_cache_gib=2)
                 measured = [p for p in result["phases"] if p["name"].startswith("batch")]
                 walls[name] += [p["wall_s"] for p in measured]
-                thread_cpu[name] += _our_thread_cpu(result)
+                ours_cpu = connector_thread_cpu(result.get("threads", {}))
+                thread_cpu[name] += ours_cpu
                 out = [[res["tokens"] for res in p["results"]] for p in measured]
                 reference = out if reference is None else reference
                 identical = identical and out == reference
                 shown = ", ".join(f"{p['wall_s']:.2f}" for p in measured)
-                print(f"round {r} {name}: batches {shown} s, our threads {_our_thread_cpu(result):.2f} CPU s",
-                      flush=True)
+                print(f"round {r} {name}: batches {shown} s, our threads {ours_cpu:.2f} CPU s", flush=True)
     base_best, base_median = min(walls["plain"]), statistics.median(walls["plain"])
     results: dict = {"model": size, "prompt_tokens": prompt_len, "batch_requests": batch,
                      "output_tokens": args.output_tokens, "rounds": rounds, "outputs_identical": identical}

@@ -72,14 +72,14 @@ SETTINGS = {"defaults": (True, True, True), "no_decode": (True, True, False), "i
 
 
 def our_thread_cpu() -> float:
-    from lmcache_vllm.integration.vllm.offline_job import thread_cpu
+    from lmcache_vllm.integration.vllm.offline_job import connector_thread_cpu, thread_cpu
 
-    return sum(t["cpu_s"] for name, t in thread_cpu().items() if name.startswith("lmcache"))
+    return connector_thread_cpu(thread_cpu())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1400 tokens, 32 output tokens, 8 pairs")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1400 tokens, 32 output tokens, 8 rounds")
     parser.add_argument("--model", default=None, help="local model size (default medium; tiny with --quick)")
     parser.add_argument("--len", type=int, default=None, help="prompt tokens (default 3900; 1400 with --quick)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per batch (default 4)")

@@ -77,6 +77,11 @@ def thread_cpu() -> dict[str, dict[str, Any]]:
     return out
 
 
+def connector_thread_cpu(threads: dict[str, dict[str, Any]]) -> float:
+    """CPU seconds of the connector's own threads (named `lmcache-*`: `cpu_affinity`) in a `thread_cpu()` answer."""
+    return float(sum(t["cpu_s"] for name, t in threads.items() if name.startswith("lmcache")))
+
+
 def _first_token_latency(output) -> float | None:
     """vLLM's own time-to-first-token of a request (needs `disable_log_stats=False`), else None."""
     latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
