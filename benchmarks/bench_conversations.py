@@ -17,7 +17,8 @@ express a pause per conversation). The think time counts in the throughput of ev
 Working set: vLLM's KV cache (`--num-gpu-blocks-override`) holds the requests in flight and little more; our
 L1 (`max_local_cpu_size`) a quarter of the conversations' KV (`--l1-fraction`); the rest is on disk (ours)
 or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bound the same way
-(`VLLM_CPU_OMP_THREADS_BIND=0`, our threads on the other cores: `extra_config.background_cpus`): vLLM alone
+(`VLLM_CPU_OMP_THREADS_BIND=0`; our threads, the servers' front ends, the proxy and the client on the other cores:
+`extra_config.background_cpus`, `_common.front_ends_beside_compute`): vLLM alone
 (its prefix cache on), ours with defaults (L1 + disk), ours with `save_decode_cache`, ours with L1's
 `cache_policy: LIP`, ours with lossless (`ours_lossless`) and fp8 (`ours_fp8`) chunk files (the disk's codec,
 `extra_config.local_disk_serde`; default naive; these two only when `--only` names them), ours with
@@ -299,6 +300,7 @@ def main() -> None:
                        "token (its answers then do not tokenise back to the same ids)")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
+    _common.front_ends_beside_compute()
     args.json = args.json or os.path.join(OUT, "conversations.json")
     from transformers import AutoTokenizer
 

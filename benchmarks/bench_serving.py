@@ -3,7 +3,8 @@
 `lmcache-vllm bench serve` (vLLM's `vllm bench serve` through our launcher) drives `lmcache-vllm serve` on
 the medium local model (`lmcache-vllm build-model --size medium`), with vLLM's KV cache (1 GiB,
 VLLM_CPU_KVCACHE_SPACE=1) smaller than the working set, vLLM's prefix caching on, one compute thread
-(VLLM_CPU_OMP_THREADS_BIND=0, as every comparison here). Workloads and configurations, all in one run:
+(VLLM_CPU_OMP_THREADS_BIND=0, as every comparison here; the servers' front ends and the load generator on the
+other cores: `_common.front_ends_beside_compute`). Workloads and configurations, all in one run:
 
 - reuse (`prefix_repetition`: many long shared prefixes, short suffixes, concurrency 4): vLLM alone;
   + ours with L1 only; + ours with L1 + disk, then the same prompts again (pass 2: all in L1); + ours
@@ -305,6 +306,7 @@ def main() -> None:
                        help="vLLM's KV cache of the device-limit run (default 4, --quick 1): holds every prefix")
 
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
+    _common.front_ends_beside_compute()
     args.json = args.json or os.path.join(OUT, "serving.json")
     from lmcache_vllm.integration.vllm.chunk_size import default_chunk_size
     from lmcache_vllm.integration.vllm.testing.local_model import build_model
