@@ -31,7 +31,9 @@ other cores: `_common.front_ends_beside_compute`). Workloads and configurations,
 
 Per run: request throughput, TTFT mean/p50/p99, inter-token latency mean/p99, end-to-end latency
 mean/p99, and the prompt tokens served by vLLM's own prefix cache and by each of our tiers (from the
-server's /metrics). Ratios (> 1: lmcache-vllm better) against the baselines of the same run. Writes the
+server's /metrics), and the seconds of it in which a sleeping process beside the load got no CPU
+(`MachineStalls`: on the shared 2-core VMs spells of 1-3.5 s happen; a pass with some is noise, not a
+result). Ratios (> 1: lmcache-vllm better) against the baselines of the same run. Writes the
 JSON (`--json`, default bench_out/serving.json) and a PNG (`--png`). A full run took 25 minutes on 2
 cores (Intel Xeon), `--vs-lmcache` included; `--quick` (tiny model, small workloads) about 5.
 """
@@ -50,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (puts the repo root on sys.path)
 
+from lmcache_vllm.integration.vllm.testing.machine_stalls import MachineStalls  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.openai_server import launcher, post, scrape, serve  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import CONNECTOR, vllm_env  # noqa: E402
 
@@ -169,12 +172,18 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: 
             if helper:
                 helper.start()
             try:
-                result = run_load(base, model, workload, tmp, pass_name)
+                with MachineStalls() as stalls:
+                    started = time.monotonic()
+                    result = run_load(base, model, workload, tmp, pass_name)
+                    ended = time.monotonic()
             finally:
                 stop.set()
                 if helper:
                     helper.join(30)
             row = {"name": pass_name, "server_s": time.monotonic() - t0, **cache_tokens(before, scrape(base))}
+            # Seconds of the pass in which a sleeping process beside the load got no CPU (the machine's, not
+            # the configuration's: a pass with several is not comparable with one without).
+            row["machine_stall_s"] = stalls.stalled(started, ended)
             for key in ("duration", "completed", "request_throughput", "mean_ttft_ms", "p50_ttft_ms",
                         "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
                         "total_input_tokens"):
@@ -183,7 +192,8 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, workload: 
                   f"p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms; our loads "
                   f"{row['ours_loads']:.0f}: {row['ours_load_s']:.2f} s in the step, the forward waited "
                   f"{row['ours_load_wait_s']:.2f} s for the load thread; {row['ours_lookups']:.0f} lookups took "
-                  f"{row['ours_lookup_s']:.2f} s of the scheduler's", flush=True)
+                  f"{row['ours_lookup_s']:.2f} s of the scheduler's; the machine stalled "
+                  f"{row['machine_stall_s']:.1f} s", flush=True)
             rows[pass_name] = row
     return rows
 
@@ -373,11 +383,12 @@ def main() -> None:
             redis_proc.kill()
             redis_proc.wait()
     headers = ("config", "req/s", "TTFT mean", "p50", "p99", "ITL p99", "E2E mean", "prompt tok",
-               "vLLM cache", "connector", "ours L1", "ours disk", "ours redis")
+               "vLLM cache", "connector", "ours L1", "ours disk", "ours redis", "stalled s")
     _common.print_table(f"serving, {size} model, concurrency 4 (ms unless noted)", [
         (n, r["request_throughput"], r["mean_ttft_ms"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["p99_itl_ms"],
          r["mean_e2el_ms"], int(r["prompt_tokens"]), int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]),
-         int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]))
+         int(r["ours_local_cpu_tokens"]), int(r["ours_local_disk_tokens"]), int(r["ours_redis_tokens"]),
+         r["machine_stall_s"])
         for n, r in rows.items()], headers)
     res = {"model": size, "cpu": _common.cpu_model(), "chunk_size": ours_chunk, "lmcache_chunk_size": ours_chunk,
            **ratios(rows),

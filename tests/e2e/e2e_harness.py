@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lmcache_vllm.integration.vllm.testing.machine_stalls import MachineStalls  # noqa: F401
 from lmcache_vllm.integration.vllm.testing.reference import (  # noqa: F401
     assert_like_with_like,
     hit_splits_agree,
@@ -170,41 +171,3 @@ def group_processes(group: int, name: str) -> list[int]:
             continue
     return pids
 
-
-# A process that only sleeps 5 ms at a time: when it oversleeps by far, it was given no CPU; it prints each
-# such interval as "start end" (CLOCK_MONOTONIC, the clock of every process's time.monotonic()).
-_STALL_PROBE = """
-import time
-last = time.monotonic()
-while True:
-    time.sleep(0.005)
-    now = time.monotonic()
-    if now - last > 0.1:
-        print(last, now, flush=True)
-    last = now
-"""
-
-
-class MachineStalls:
-    """Intervals in which a sleeping probe process did not run: time a latency measured on this machine
-    lost to the machine, not to the code under test (`with MachineStalls() as stalls: ...`, then
-    `stalls.unexplained(a, b)`). Seen on the 2-core VMs: 1-3.5 s in which vLLM's engine core and worker held
-    both cores and no sleeping process (this probe, a test's HTTP client, the API server mostly) got one."""
-
-    def __enter__(self) -> "MachineStalls":
-        import subprocess
-        import sys
-
-        self._proc = subprocess.Popen([sys.executable, "-c", _STALL_PROBE], stdout=subprocess.PIPE, text=True)
-        self.intervals: list[tuple[float, float]] = []
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=10)
-        self.intervals = [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines())]
-
-    def unexplained(self, start: float, end: float) -> float:
-        """How much of [start, end] the probe ran through (the part no machine stall explains)."""
-        lost = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.intervals)
-        return (end - start) - lost
