@@ -170,4 +170,3 @@ def group_processes(group: int, name: str) -> list[int]:
         except (OSError, ProcessLookupError):
             continue
     return pids
-

@@ -48,7 +48,7 @@ class MachineStalls:
 
     def stalled(self, start: float, end: float) -> float:
         """Seconds of [start, end] in which the probe was given no CPU."""
-        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.intervals)
+        return sum((max(0.0, min(end, b) - max(start, a)) for a, b in self.intervals), 0.0)
 
     def unexplained(self, start: float, end: float) -> float:
         """Seconds of [start, end] in which the probe ran: what no machine stall explains."""
