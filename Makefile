@@ -27,6 +27,7 @@ bench: install
 
 # vLLM's load generator against lmcache-vllm serve (about 25 minutes on 2 cores; BENCH_ARGS=--quick: about 5)
 bench-serving: install
+	bash scripts/system_packages.sh
 	$(PY) benchmarks/bench_serving.py $(BENCH_ARGS)
 
 # nvcc compile + the kernel source run on the host against the torch path (needs torch and vLLM: installs)

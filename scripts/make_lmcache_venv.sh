@@ -15,6 +15,7 @@ if [ ! -x "$BASE_VENV/bin/python" ]; then
 fi
 BASE_PYTHON=$("$BASE_VENV/bin/python" -c 'import sys; print(sys._base_executable)')
 BASE_SITE=$("$BASE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+bash scripts/system_packages.sh  # libibverbs1: LMCache imports Mooncake's library
 if [ ! -x "$PEER_VENV/bin/python" ]; then
   "$BASE_PYTHON" -m venv "$PEER_VENV"
 fi
