@@ -295,14 +295,24 @@ def server_process_group(log_text: str) -> int:
     return os.getpgid(int(match.group(1)))
 
 
-def front_ends_beside_compute(compute: frozenset[int] = frozenset({0})) -> list[int]:
+# The core vLLM's one compute rank binds itself to in every serving benchmark: `vllm_jobs.vllm_env`'s default
+# VLLM_CPU_OMP_THREADS_BIND=0.
+COMPUTE_CPUS = frozenset({0})
+
+
+def cpus_beside_compute(compute: frozenset[int] = COMPUTE_CPUS) -> list[int]:
+    """The CPUs of this process's affinity that the compute rank leaves free (for front ends, our threads)."""
+    return sorted(os.sched_getaffinity(0) - compute)
+
+
+def front_ends_beside_compute(compute: frozenset[int] = COMPUTE_CPUS) -> list[int]:
     """Moves this benchmark, and so every process it starts from now on (vLLM's API server and engine core, the
     load generator, a proxy, Redis, LMCache's server), onto the CPUs the compute rank (VLLM_CPU_OMP_THREADS_BIND=0)
     leaves free; vLLM's worker binds itself to its own. Left unbound, the Linux scheduler ran the API server and
     the engine core on the compute core too, taking the model's time: in 5-second samples of a serving pass
     (`/proc`) the API server's threads were last seen there in 43-58 %, the engine core's main thread in 23-28 %.
     Returns the CPUs; [] (nothing moved) on a host with none to spare."""
-    free = sorted(os.sched_getaffinity(0) - compute)
+    free = cpus_beside_compute(compute)
     if free:
         os.sched_setaffinity(0, free)
     return free

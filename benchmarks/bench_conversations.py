@@ -34,7 +34,8 @@ mostly do (`--free-answers`: not). Per configuration: requests/s, TTFT p50/p99 (
 the server's processes used for the run (LMCache's server included: on a busy machine the one figure of cost
 that other processes barely stretch), prompt tokens, tokens from vLLM's prefix cache and from the connector
 (vLLM's counters), ours by tier (our counters), evictions, recomputed prompt tokens, and ratios to vLLM alone,
-to LMCache and to the unbounded cache.
+to LMCache and to the unbounded cache; and the seconds of the run in which a sleeping process beside the
+client got no CPU (`MachineStalls`, as `bench_serving.py`: a run with some compares with none without).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from _chat_trace import Exchange, RecordingProxy, round_trip_word_tokens, unboun
 from _l1_replay import compare as compare_l1_policies  # noqa: E402
 from bench_serving import cache_tokens, lmcache_peer, lmcache_running, ours, server_args  # noqa: E402
 
+from lmcache_vllm.integration.vllm.testing.machine_stalls import MachineStalls  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.openai_server import post, scrape, serve  # noqa: E402
 from lmcache_vllm.integration.vllm.testing.vllm_jobs import vllm_env  # noqa: E402
 
@@ -228,10 +230,14 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
         groups = (_common.server_process_group(log.read_text()), *other_groups)
         try:
             before, cpu_before = scrape(base), sum(map(_common.process_group_cpu_seconds, groups))
-            stats = run_client(script, url, model, conversations, w, tmp, name)
+            with MachineStalls() as stalls:  # (as bench_serving: a run with stalls compares with none without)
+                started = time.monotonic()
+                stats = run_client(script, url, model, conversations, w, tmp, name)
+                ended = time.monotonic()
             cpu = sum(map(_common.process_group_cpu_seconds, groups)) - cpu_before
             time.sleep(2)  # vLLM's counters reach /metrics a step after the work
-            row = {"name": name, "server_cpu_s": cpu, **counters(before, scrape(base))}
+            row = {"name": name, "server_cpu_s": cpu, "machine_stall_s": stalls.stalled(started, ended),
+                   **counters(before, scrape(base))}
         finally:
             exchanges = proxy.take()
             proxy.stop()
@@ -252,7 +258,8 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
     print(f"   {name}: {row['request_throughput']:.3f} req/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms "
           f"p99 {row['p99_ttft_ms']:.0f} ms; cached {int(row['cached_tokens'])} of {int(row['prompt_tokens'])} "
           f"prompt tokens (unbounded: {row['unbounded_tokens']}; in whole blocks {row['unbounded_block_tokens']}, "
-          f"whole {chunk_size}-token chunks {row['unbounded_chunk_tokens']})", flush=True)
+          f"whole {chunk_size}-token chunks {row['unbounded_chunk_tokens']}); the machine stalled "
+          f"{row['machine_stall_s']:.1f} s", flush=True)
     (tmp / f"{name}.trace.json").write_text(json.dumps([asdict(e) for e in exchanges]))
     return row, exchanges
 
@@ -371,12 +378,13 @@ def main() -> None:
 
 def report(rows: dict[str, dict], failed: dict[str, str], size: str, w: Workload, json_path: str) -> None:
     headers = ("config", "req/s", "TTFT p50", "p99", "server CPU s", "prompt tok", "vLLM cache", "connector", "ours L1",
-               "ours disk", "L1 evict", "recomputed", "unbounded", "cached/unb.")
+               "ours disk", "L1 evict", "recomputed", "unbounded", "cached/unb.", "stalled s")
     _common.print_table(f"conversations, {size} model, {w.users} users x {w.turns} turns, {w.clients} clients", [
         (n, r["request_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["server_cpu_s"], int(r["prompt_tokens"]),
          int(r["vllm_prefix_cache_tokens"]), int(r["connector_tokens"]), int(r["ours_local_cpu_tokens"]),
          int(r["ours_local_disk_tokens"]), int(r["ours_local_cpu_evictions"]), int(r["recomputed_tokens"]),
-         r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0)
+         r["unbounded_tokens"], r["cached_tokens"] / r["unbounded_tokens"] if r["unbounded_tokens"] else 0.0,
+         r["machine_stall_s"])
         for n, r in rows.items()], headers)
     replays = [(n, p, r[f"replay_{p}_l1_chunks"], r[f"replay_{p}_disk_chunks"]) for n, r in rows.items()
                for p in ("lru", "lip", "arc", "belady") if f"replay_{p}_l1_chunks" in r]

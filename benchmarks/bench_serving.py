@@ -87,7 +87,7 @@ def ours(extra: dict, chunk_size: int | None) -> dict:
     vLLM's compute (bound to core 0 here) leaves free, as a user who binds vLLM explicitly sets it
     (`extra_config.background_cpus`)."""
     config = {**({"chunk_size": chunk_size} if chunk_size is not None else {}), **extra}
-    free = sorted(os.sched_getaffinity(0) - {0})
+    free = _common.cpus_beside_compute()
     if free:
         config["extra_config"] = {"background_cpus": ",".join(map(str, free)), **config.get("extra_config", {})}
     return dict(CONNECTOR, kv_connector_extra_config=config)
@@ -224,7 +224,9 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int, extra_
                              "--chunk-size", str(chunk_size),
                              "--supported-transfer-mode", "auto", *extra_args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(vllm_env(tmp / "lmcache_server"), PYTHONHASHSEED="0"))
+                            # a front end beside the compute core, like vLLM's API server: no OpenMP binding
+                            # (libgomp refuses an OMP_PLACES of CPUs the process may not run on, and exits)
+                            env=dict(vllm_env(tmp / "lmcache_server", threads_bind="nobind"), PYTHONHASHSEED="0"))
     time.sleep(15)  # it has no health endpoint; the vLLM server start that follows takes longer anyway
     if proc.poll() is not None:
         raise RuntimeError(f"lmcache server exited: {(tmp / 'lmcache_server.log').read_text()[-3000:]}")
