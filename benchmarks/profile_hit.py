@@ -2,6 +2,7 @@
 
     python benchmarks/profile_hit.py [--quick] [--model medium|tiny] [--len N] [--hits N] [--chunk-size N]
                                      [--top N] [--out FILE] [--overlap-loads auto|on|off] [--ab ROUNDS]
+                                     [--from l1|disk]
 
 One vLLM engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, model bound to core 0 as in
 `bench_e2e_ttft.py`), our connector with L1 only. A prompt is computed once (cold, stored), then asked for
@@ -17,6 +18,10 @@ first, so our L1 serves the same 3840 tokens); the rounds alternate which goes f
 process with the same thread binding, so the ratio of the medians (ours / vLLM's own hit) is the load's cost
 without the differences between processes; the connector's counters say how long the forward waited for the
 load thread (`load_wait_seconds`) and how long the step spent starting loads (`load_seconds`).
+
+`--from disk` adds a disk tier and empties L1 (after the writes to disk are done) before each of our hits,
+so that every one is served from the disk tier's files (in the page cache, as a fresh process's first hit
+of a prompt another process stored is): what the disk path costs beyond L1's, in either mode.
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra_config.overlap_loads (default: unset, the connector's default)")
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                         help="measure our hit against vLLM's own prefix-cache hit in this process (no profile)")
+    parser.add_argument("--from", dest="tier", choices=("l1", "disk"), default="l1",
+                        help="the tier our hits come from (default l1; disk: L1 emptied before each)")
     args = parser.parse_args(argv)
     size = args.model or ("tiny" if args.quick else "medium")
     prompt_len = args.len or (1400 if args.quick else 3900)
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         extra["chunk_size"] = args.chunk_size
     if args.overlap_loads:
         extra["extra_config"] = {"overlap_loads": args.overlap_loads}
+    if args.tier == "disk":
+        extra.update(local_disk=str(tmp / "l2"), max_local_disk_size=4)
     llm = LLM(model=str(build_model(size)), dtype="bfloat16", max_model_len=prompt_len + 256, enforce_eager=True,
               seed=0, enable_prefix_caching=bool(args.ab), max_num_batched_tokens=max(8192, prompt_len + 64),
               kv_transfer_config=KVTransferConfig(**dict(CONNECTOR, kv_role="kv_both",
@@ -92,15 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate([TokensPrompt(prompt_token_ids=random_tokens(6, 300))], one, use_tqdm=False)  # warm-up
     llm.generate([prompt], one, use_tqdm=False)  # cold: computed and stored
     time.sleep(1.0)  # the cold request's background save finishes
+    before_hit = drop_l1 if args.tier == "disk" else (lambda: None)
+    before_hit()
     out = llm.generate([prompt], one, use_tqdm=False)  # first hit: unprofiled (one-time costs)
     cached = out[0].num_cached_tokens
     if args.ab:
-        ab_rounds(llm, prompt, one, args.ab)
+        ab_rounds(llm, prompt, one, args.ab, before_hit)
         llm.llm_engine.engine_core.shutdown()
         return 0
     profiler = cProfile.Profile(time.thread_time if args.timer == "thread" else time.perf_counter)
     walls = []
     for _ in range(hits):
+        before_hit()
         t0 = time.perf_counter()
         profiler.enable()
         llm.generate([prompt], one, use_tqdm=False)
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = pstats.Stats(profiler)
     if args.out:
         stats.dump_stats(args.out)
-    print(f"model {size}, prompt {prompt_len} tokens, {cached} from our cache per hit; {hits} hits profiled "
+    print(f"model {size}, prompt {prompt_len} tokens, {cached} from our {args.tier} per hit; {hits} hits profiled "
           f"({args.timer} clock): wall per hit best {min(walls) * 1e3:.1f} ms, median "
           f"{sorted(walls)[len(walls) // 2] * 1e3:.1f} ms")
     entries = stats.stats  # type: ignore[attr-defined]
@@ -129,8 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ab_rounds(llm, prompt, one, rounds: int) -> None:
-    """Our hit against vLLM's own prefix-cache hit of the same prompt, alternating, in this process."""
+def drop_l1() -> None:
+    """Empties our L1 once the writes to the disk tier are done: the next hit of ours comes from disk."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from lmcache_vllm.integration.vllm.offline_job import flush_writes
+
+    flush_writes()
+    get_kv_transfer_group()._worker.engine.clear(lower_tiers=False)
+
+
+def ab_rounds(llm, prompt, one, rounds: int, before_hit) -> None:
+    """Our hit against vLLM's own prefix-cache hit of the same prompt, alternating, in this process
+    (`before_hit()` before each of ours, untimed)."""
     from vllm.inputs import TokensPrompt
 
     from lmcache_vllm.integration.vllm.testing.vllm_jobs import random_tokens
@@ -151,6 +174,7 @@ def ab_rounds(llm, prompt, one, rounds: int) -> None:
     def hit(ours: bool) -> tuple[float, int]:
         if ours:
             reset()  # vLLM's own cache only: ours serves the next request
+            before_hit()
         else:
             llm.generate([prompt], one, use_tqdm=False)  # computed or loaded: now in vLLM's prefix cache
         t0 = time.perf_counter()
