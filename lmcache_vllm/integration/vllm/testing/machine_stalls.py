@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from typing import IO
 
 # Sleeps 5 ms at a time; an oversleep beyond 0.1 s is printed as "start end".
 _PROBE = """
@@ -29,18 +31,25 @@ class MachineStalls:
     def __init__(self) -> None:
         self.intervals: list[tuple[float, float]] = []
         self._proc: subprocess.Popen[str] | None = None
+        self._out: IO[str] | None = None
 
     def __enter__(self) -> "MachineStalls":
-        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE, text=True)
+        # A file, not a pipe: a pipe nobody reads until the end would fill up (64 KiB, ~1,600 stalls) and
+        # block the probe, losing every stall after.
+        self._out = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE], stdout=self._out, text=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._proc is None:
+        if self._proc is None or self._out is None:
             return
         self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=10)
-        self._proc = None
-        self.intervals = [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines())]
+        self._proc.wait(timeout=10)
+        self._out.seek(0)
+        lines = self._out.read().splitlines()
+        self._out.close()
+        self._proc, self._out = None, None
+        self.intervals = [(float(a), float(b)) for a, b in (line.split() for line in lines if len(line.split()) == 2)]
 
     @property
     def pid(self) -> int | None:
