@@ -1,13 +1,15 @@
 """Which CPUs our background threads run on.
 
 vLLM's CPU worker pins its process to the cores it computes on (VLLM_CPU_OMP_THREADS_BIND), and every
-thread the process starts later inherits that: our storage loop, disk readers and writers, save thread,
-lookup and transfer servers would otherwise take their time from the model's compute cores while the cores
+thread the process starts later inherits that: our storage loop, disk readers and writers, save thread and
+transfer server would otherwise take their time from the model's compute cores while the cores
 vLLM reserves (for the API server, the engine core and connectors: it reserves one more per rank when a
 KV connector is configured) do less. The integration layer decides the set once per worker process
 (`set_background_cpus`, from `extra_config.background_cpus` and vLLM's binding); every background thread of
 ours calls `enter_background_cpus()` first. None (the default, and always on a host vLLM does not pin) leaves
-threads where they are.
+threads where they are. The lookup server is the one exception (`integration/vllm/lookup.py`): the scheduler
+asks it only between steps, when the worker's compute cores are idle, and on them it answers without
+waiting behind vLLM's API server and the other threads on the background CPUs.
 
 `single_threaded_torch()` keeps a background thread out of OpenMP's way. PyTorch runs parallel ops on OpenMP
 teams, one team per calling thread. When a second thread (our save thread, or SGLang's storage threads calling
@@ -73,7 +75,7 @@ def enter_background_cpus() -> None:
     Python name (what `top -H` and /proc show: `lmcache-disk-r...` instead of vLLM's process name). Called
     first in every background thread of ours (thread targets, executor initializers). A set the OS refuses
     (outside the cgroup's cpuset) leaves the thread where it is, with one log line."""
-    _name_os_thread()
+    name_os_thread()
     cpus = _cpus
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return
@@ -86,7 +88,8 @@ def enter_background_cpus() -> None:
 
 
 
-def _name_os_thread() -> None:
+def name_os_thread() -> None:
+    """Gives the calling thread's OS thread its Python name, if it is one of ours (`lmcache-*`)."""
     name = threading.current_thread().name
     if not name.startswith("lmcache"):
         return

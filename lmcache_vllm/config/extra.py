@@ -109,8 +109,9 @@ class ExtraConfig:
                                          "dropped and counted (inference never waits)", check=POSITIVE_INT)
     write_workers: int = setting(4, "concurrent write-throughs to the lower tiers", check=POSITIVE_INT)
     background_cpus: str = setting("auto", "CPUs of our background threads in a vLLM worker (storage, disk, save, "
-                                           "load, lookup, transfer): 'auto' = the cores vLLM's CPU backend reserves "
-                                           "beside its compute cores when it binds them itself "
+                                           "load, transfer; the lookup server stays on the worker's own cores, "
+                                           "idle while the scheduler asks): 'auto' = the cores vLLM's CPU "
+                                           "backend reserves beside its compute cores when it binds them itself "
                                            "(VLLM_CPU_OMP_THREADS_BIND=auto); for an in-process engine (LLM() with "
                                            "VLLM_ENABLE_V1_MULTIPROCESSING=0) bound explicitly, the CPUs its "
                                            "binding leaves out; else where vLLM put the process; "
