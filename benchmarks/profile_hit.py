@@ -20,8 +20,10 @@ without the differences between processes; the connector's counters say how long
 load thread (`load_wait_seconds`) and how long the step spent starting loads (`load_seconds`).
 
 `--from disk` adds a disk tier and empties L1 (after the writes to disk are done) before each of our hits,
-so that every one is served from the disk tier's files (in the page cache, as a fresh process's first hit
-of a prompt another process stored is): what the disk path costs beyond L1's, in either mode.
+so that every one is served from the disk tier's files: what the disk path costs beyond L1's, in either mode.
+The chunk files are written with O_DIRECT, so only the first (unmeasured) hit reads them from the device; the
+measured hits find them in the page cache. A fresh process's first hit of what another process stored reads
+the device (`bench_e2e_ttft.py` measures that).
 """
 from __future__ import annotations
 
