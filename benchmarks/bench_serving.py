@@ -225,7 +225,7 @@ def lmcache_server(python: str, tmp: Path, l1_gb: float, chunk_size: int, extra_
                              "--supported-transfer-mode", "auto", *extra_args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             # a front end beside the compute core, like vLLM's API server: no OpenMP binding
-                            # (libgomp refuses an OMP_PLACES of CPUs the process may not run on, and exits)
+                            # (given the compute core's OMP_PLACES, libgomp printed an error and ignored it)
                             env=dict(vllm_env(tmp / "lmcache_server", threads_bind="nobind"), PYTHONHASHSEED="0"))
     time.sleep(15)  # it has no health endpoint; the vLLM server start that follows takes longer anyway
     if proc.poll() is not None:

@@ -49,7 +49,9 @@ class MachineStalls:
         lines = self._out.read().splitlines()
         self._out.close()
         self._proc, self._out = None, None
-        self.intervals = [(float(a), float(b)) for a, b in (line.split() for line in lines if len(line.split()) == 2)]
+        # (a line cut short by the terminate is skipped)
+        self.intervals = [(float(a), float(b)) for a, b in (fields for fields in map(str.split, lines)
+                                                            if len(fields) == 2)]
 
     @property
     def pid(self) -> int | None:
