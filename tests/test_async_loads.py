@@ -116,6 +116,78 @@ def test_async_load_from_disk_reads_only_chunks_vllm_lacks(tmp_path):
         worker.shutdown()
 
 
+def test_hit_read_within_the_lookup_is_ready_and_loads_inside_the_step(tmp_path):
+    """A disk hit whose reads end while the first ask waits is answered `ready`: the scheduler plans it as
+    a load inside the step (`is_async=False`), which copies it at once with no tier read left."""
+    caches = make_caches(True, seed=9)
+    engine = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.1)
+    worker = make_worker(engine, caches)
+    worker.load.requests.read_wait_s = 10.0  # any read ends within it: the outcome is tested, not the timing
+    try:
+        tokens, src, dst = store_prompt(worker, 1100, 3, 20)
+        result = ask(worker, "r", tokens)
+        assert result.chunk_tiers == ("local_disk",) * 3 and result.ready and result.loads_now
+        assert metrics.value("lookup_read_waits", result="ready") == 1
+        spec = LoadSpec("r", np.asarray(tokens), dst, skip_leading=0, load_end=3 * CHUNK - 1)
+        meta = LMCacheConnectorMetadata(loads=[spec])
+        worker.begin_step()
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert worker.take_load_errors() == set()
+        wanted = torch.arange(3 * CHUNK - 1)
+        assert torch.equal(kv_of(engine, caches, slots(dst)[wanted]), kv_of(engine, caches, slots(src)[wanted]))
+        deadline = time.monotonic() + 5
+        while not worker.load.requests.read_pace.per_chunk and time.monotonic() < deadline:
+            time.sleep(0.01)  # the pace is learnt on the storage loop, once the reads are over
+        assert worker.load.requests.read_pace.per_chunk > 0
+    finally:
+        worker.shutdown()
+
+
+def test_slow_reads_are_not_waited_for_by_the_lookup(tmp_path, monkeypatch):
+    """Reads that do not end within the lookup's wait are answered not ready (loaded asynchronously), and
+    once the pace says reads are slow a lookup does not wait for them at all."""
+    from lmcache_vllm.storage import chunk_file
+
+    caches = make_caches(True, seed=10)
+    engine = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.1)
+    worker = make_worker(engine, caches)
+    release = threading.Event()
+    real_read = chunk_file.read_chunk
+
+    def slow_read(path, key, alloc, mac=None):
+        release.wait(30)
+        return real_read(path, key, alloc, mac)
+
+    monkeypatch.setattr(chunk_file, "read_chunk", slow_read)
+    try:
+        tokens, _, _ = store_prompt(worker, 1500, 2, 20)
+        result, took = timed(ask, worker, "late", tokens)
+        assert result.hit_tokens == 2 * CHUNK and not result.ready and not result.loads_now
+        wait_s = worker.config.extra_config.lookup_read_wait_ms / 1000
+        assert worker.load.requests.read_wait_s == wait_s > 0  # the default waits
+        assert wait_s <= took < FIRST_ANSWER_WAIT_S + wait_s + STEP_BUDGET_S
+        assert metrics.value("lookup_read_waits", result="late") == 1
+        worker.load.requests.read_pace.observe(1.0, 1)  # reads of a second a chunk, as a slow tier's
+        result, took = timed(ask, worker, "slow", tokens)
+        assert not result.ready and took < STEP_BUDGET_S
+        assert metrics.value("lookup_read_waits", result="late") == 1  # not waited for
+    finally:
+        release.set()
+        worker.shutdown()
+
+
+def test_read_pace_follows_the_recent_reads():
+    from lmcache_vllm.integration.vllm.loads import ReadPace
+
+    pace = ReadPace()
+    assert pace.expected(10) == 0.0  # unknown: a first read is waited for
+    pace.observe(0.02, 10)
+    assert pace.expected(10) == pytest.approx(0.02)  # the first read sets it
+    pace.observe(0.10, 10)
+    assert pace.expected(10) == pytest.approx(0.04)  # later ones move it a quarter of the way
+
+
 def test_retrieve_reads_only_the_masked_chunks(tmp_path):
     engine = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.1)
     try:

@@ -231,6 +231,14 @@ def test_no_value_of_any_key_crashes():
     assert "expected an integer (at most 9223372036854775807)" in str(problems_of({"chunk_size": 10 ** 400}))
 
 
+def test_lookup_read_wait_is_bounded():
+    # vLLM's scheduler stands still while a lookup waits: no wait longer than a second is accepted
+    for value in (-1, 1001, math.inf):
+        error = problems_of({"extra_config": {"lookup_read_wait_ms": value}})
+        assert "milliseconds from 0 to 1000" in str(error)
+    assert load_config({"extra_config": {"lookup_read_wait_ms": 0}}, environ={}).extra_config.lookup_read_wait_ms == 0
+
+
 @pytest.mark.parametrize("text,loads", [
     ("!!python/object:os.system {}\n", False), ("a: &x [*x]\n", False), ("? [1, 2]\n: 3\n", False),
     ("\tchunk_size: 1\n", False), ("---\na: 1\n---\nb: 2\n", False), ("null\n", True), ("[]\n", False),

@@ -92,6 +92,19 @@ def test_answer_wire_format_and_minimum_over_ranks():
     assert both == LookupAnswer(512, ("local_cpu", "redis")) and not both.in_l1
 
 
+def test_ready_answers_cross_the_wire_and_need_every_rank():
+    read = LookupAnswer(512, ("local_cpu", "local_disk"), ready=True)
+    for answer in (read, read._replace(ready=False), LookupAnswer(0, pending=True, ready=True)):
+        assert LookupAnswer.decode(answer.encode()) == answer
+    assert read.loads_now and not read._replace(ready=False).loads_now and hit(512).loads_now
+    flags = len(read.encode()) - 2 - 1  # the flags byte, before the two tier codes
+    unknown = bytearray(read.encode())
+    unknown[flags] |= 0xFC  # bits no version sets are ignored
+    assert LookupAnswer.decode(bytes(unknown)) == read
+    assert LookupAnswer.minimum([read, read]).ready
+    assert not LookupAnswer.minimum([read, read._replace(ready=False)]).ready  # one rank still reads
+
+
 def test_missing_or_slow_server_counts_as_zero_hits(sock_dir):
     client = LookupClient([lookup_socket_path("nobody", 0, sock_dir)], timeout_ms=50)
     try:

@@ -255,6 +255,15 @@ def test_hit_needing_a_slower_tier_loads_asynchronously_into_the_allocated_block
     off, _ = make_half(hit=768, in_l1=0)
     off.async_loading = False
     assert off.get_num_new_matched_tokens(make_request("c", 800), 0) == (768, False)
+    # Read from disk already while the lookup waited (ready): synchronous, counted as a disk hit.
+    read, store = make_half(hit=768, in_l1=0)
+    answer = store.lookup
+    store.lookup = lambda q: answer(q)._replace(ready=True)
+    req = make_request("d", 800)
+    assert read.get_num_new_matched_tokens(req, 0) == (768, False)
+    read.update_state_after_alloc(req, vllm_blocks(list(range(7))), 768)
+    assert read.hit_sources("d") == {"local_disk": 768}
+    assert read.build_connector_meta(SchedulerOutput.make_empty()).loads == []  # not an asynchronous load
 
 
 def test_lookups_that_load_nothing_are_released_and_shrunk_hits_asked_again():

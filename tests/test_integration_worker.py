@@ -143,7 +143,7 @@ def test_reset_command_empties_l1_after_pending_saves(tmp_path):
         assert metrics.value("resident_chunks", tier="local_cpu") == 0
         worker.begin_step()
         worker.wait_for_save(_save_meta(tokens, list(range(2 * CHUNK // BLOCK))))
-        assert client.lookup(query(tokens, "r2")) == (2 * CHUNK, ("local_cpu", "local_cpu"), 0, False)
+        assert client.lookup(query(tokens, "r2")) == (2 * CHUNK, ("local_cpu", "local_cpu"), 0, False, True)
     finally:
         client.close()
         worker.shutdown()

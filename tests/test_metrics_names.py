@@ -99,6 +99,10 @@ STABLE = [
     ("async_load_timeouts", "counter", (),
      'Asynchronous loads whose chunks were not read within blocking_timeout_secs; what had not'
      ' arrived was recomputed'),
+    ("lookup_read_waits", "counter", ("result",),
+     "First lookups of a hit read from a lower tier that waited for its reads (the recent reads' pace said "
+     "they end within a copy's time): ready (loaded inside the step like an L1 hit) or late (loaded "
+     "asynchronously)"),
     ("aborted_async_loads", "counter", (),
      'Requests that finished (aborted) while their asynchronous load waited; its reads and holds'
      ' were released'),

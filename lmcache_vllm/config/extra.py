@@ -9,6 +9,7 @@ key, add one field with `setting(default, meaning, check=...)`; the table in doc
 
 from __future__ import annotations
 
+import math
 import os
 import string
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ def _cpu_choice(value: str) -> Optional[str]:
 
 def _fraction(value: float) -> Optional[str]:
     return None if 0.0 <= value <= 1.0 else "a fraction from 0 to 1"
+
+
+MAX_READ_WAIT_MS = 1000.0  # the scheduler, and so every request, waits while a lookup waits
+
+
+def _read_wait(value: float) -> Optional[str]:
+    if math.isfinite(value) and 0.0 <= value <= MAX_READ_WAIT_MS:
+        return None
+    return f"milliseconds from 0 to {MAX_READ_WAIT_MS:g}"
 
 
 MIN_KEY_BITS = 128
@@ -124,6 +134,12 @@ class ExtraConfig:
                                          "set and vLLM's step may run on another CPU; 'on'; 'off' = before the "
                                          "forward",
                                  choices=("auto", "on", "off"), value_aliases={True: "on", False: "off"})
+    lookup_read_wait_ms: float = setting(10.0, "how long a request's first lookup may wait for its hit's reads from "
+                                               "disk or Redis, and only when the pace of recent reads says they end "
+                                               "within it: a hit read by then loads inside the step like an L1 hit "
+                                               "instead of waiting a step in WAITING_FOR_REMOTE_KVS (vLLM's scheduler, "
+                                               "so every request, waits meanwhile); 0 = never",
+                                         check=_read_wait)
     close_drain_secs: float = setting(5.0, "at shutdown, longest wait for queued writes",
                                       check=at_least(0, "seconds"))
     prefetch_hold_secs: float = setting(30.0, "how long prefetched chunks stay held for the request that "

@@ -77,8 +77,8 @@ class LMCacheConfig:
     use_layerwise: bool = setting(False, "load and store one layer at a time, overlapping compute")
     enable_async_loading: bool = setting(
         True, "a hit that needs the disk or Redis tier loads while vLLM runs other requests (the request "
-              "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1 always loads inside the step. LMCache's "
-              "default is false")
+              "waits in WAITING_FOR_REMOTE_KVS); a hit all in L1, or one whose reads end while its lookup waits "
+              "(extra_config.lookup_read_wait_ms), always loads inside the step. LMCache's default is false")
     min_retrieve_tokens: int = setting(
         0, "a hit that would load fewer new tokens than this is not loaded (vLLM computes them); 0: every "
            "hit is loaded", check=at_least(0, "tokens"))

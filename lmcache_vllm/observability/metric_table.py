@@ -107,6 +107,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
        "copy of the layout (mismatch), failed to run (error) or is not built (not_built)", ("reason",)),
     _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
        "blocking_timeout_secs; what had not arrived was recomputed"),
+    _c("lookup_read_waits", "requests", "First lookups of a hit read from a lower tier that waited for its reads "
+       "(the recent reads' pace said they end within a copy's time): ready (loaded inside the step like an L1 "
+       "hit) or late (loaded asynchronously)", ("result",)),
     _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
        "waited; its reads and holds were released"),
     _c("durable_save_timeouts", "requests", "A producer's saves of a complete prompt not written to every "

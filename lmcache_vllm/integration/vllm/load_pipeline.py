@@ -48,9 +48,10 @@ class LoadPipeline:
     def __init__(self, engine: CacheEngine | GroupedEngine, kv_caches: list[torch.Tensor],
                  layer_index: dict[str, int], *, block_size: int, use_layerwise: bool, timeout_s: float,
                  failure_agreement: FailureAgreement | None = None, open_peer: OpenPeer | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, read_wait_s: float = 0.0):
         """`overlap`: synchronous loads copy on the load thread beside the forward (not for several KV cache
-        groups, whose loads are asynchronous)."""
+        groups, whose loads are asynchronous); `read_wait_s`: how long a lookup may wait for its reads
+        (`loads.RequestLoads`; never for several KV cache groups, whose loads are asynchronous)."""
         from lmcache_vllm.engine.grouped import GroupedEngine
 
         self.engine = engine
@@ -62,7 +63,7 @@ class LoadPipeline:
         self.use_layerwise = use_layerwise
         self.timeout_s = timeout_s
         self.requests = RequestLoads(engine, timeout_s=timeout_s, hold_s=engine.storage.prefetch_hold_secs,
-                                     open_peer=open_peer)
+                                     open_peer=open_peer, read_wait_s=0.0 if self.grouped else read_wait_s)
         self._agree = failure_agreement or list
         self._load_errors: set[int] = set()
         self._unloaded: set[str] = set()  # asynchronous loads refused while paused, to report done

@@ -4,7 +4,10 @@
   already holds on and *holds* them (`CacheEngine.lookup_and_hold`: L1 chunks at once, lower-tier ones
   are read into L1 in the background). The answer never waits on a slow tier for long: the first ask
   waits at most `FIRST_ANSWER_WAIT_S` for the lower tiers to say where the chunks are, later asks not at
-  all; until they answer the result is `pending` (vLLM tries R again next step, other requests run).
+  all; until they answer the result is `pending` (vLLM tries R again next step, other requests run). Then,
+  when the pace of recent reads (`ReadPace`) says they end within `extra_config.lookup_read_wait_ms`, the
+  first ask waits that long for the reads too: a hit read by then is answered `ready` and loads inside the
+  step like an L1 hit.
 - The held prefix stays registered under R until R's load takes it (`take` / `begin_async`), the
   scheduler says R loads nothing (`release`), R finishes, or the hold time of the storage passes.
 - A load naming a prefill instance (disaggregated prefill: no lookup came first) starts its hold in
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, cast
 from lmcache_vllm.integration.vllm.lookup import LookupAnswer, LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LoadSpec, PeerSpec
 from lmcache_vllm.observability import metrics
+from lmcache_vllm.storage.tier import Tier
 
 if TYPE_CHECKING:  # the engine is built in the worker only, after vLLM's API server imported us
     from lmcache_vllm.engine import CacheEngine, HeldPrefix
@@ -53,6 +57,23 @@ class _Lookup:
     created: float
 
 
+class ReadPace:
+    """Seconds per chunk of the recent lower-tier reads of lookups (a moving average over their time from
+    lookup to read): what a hit's reads are expected to take. Unknown (0) until a read is seen."""
+
+    def __init__(self) -> None:
+        self.per_chunk = 0.0
+        self._seen = False
+
+    def expected(self, chunks: int) -> float:
+        return chunks * self.per_chunk
+
+    def observe(self, seconds: float, chunks: int) -> None:
+        sample = seconds / max(1, chunks)
+        self.per_chunk = sample if not self._seen else 0.75 * self.per_chunk + 0.25 * sample
+        self._seen = True
+
+
 @dataclass
 class AsyncLoad:
     spec: LoadSpec
@@ -65,8 +86,13 @@ class RequestLoads:
     scheduler thread), loads from the worker's step."""
 
     def __init__(self, engine: CacheEngine | GroupedEngine, *, timeout_s: float, hold_s: float,
-                 open_peer: OpenPeer | None = None):
+                 open_peer: OpenPeer | None = None, read_wait_s: float = 0.0):
+        """`read_wait_s` (`extra_config.lookup_read_wait_ms`): how long a first ask may wait for a hit's reads
+        (0: never). A hit read in time is answered `ready` and loads inside the step like an L1 hit, instead of
+        waiting a step in WAITING_FOR_REMOTE_KVS (in a busy server: a whole step of other requests' work);
+        vLLM's scheduler waits meanwhile, so only reads the pace says end within it are waited for."""
         self.engine = engine
+        self.read_wait_s = read_wait_s
         self.open_peer = open_peer
         self.timeout_s = float(timeout_s)
         self.hold_s = float(hold_s)
@@ -75,6 +101,7 @@ class RequestLoads:
         self._async: dict[str, AsyncLoad] = {}
         self._progress = threading.Event()
         self._last_purge = time.monotonic()
+        self.read_pace = ReadPace()
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, query: LookupQuery) -> LookupAnswer:
@@ -98,7 +125,22 @@ class RequestLoads:
         hit = entry.held.located(wait)
         if hit is None:
             return LookupAnswer(0, pending=True)
-        return LookupAnswer(hit.end, hit.chunk_tiers, hit.start)
+        below = sum(t != Tier.LOCAL_CPU for t in hit.chunk_tiers)
+        waited = False
+        if below and wait:  # the first ask of a hit that reads from below
+            self._time_reads(entry.held, now, below)
+            if self.read_wait_s and self.read_pace.expected(below) <= self.read_wait_s:
+                entry.held.wait(self.read_wait_s)
+                waited = True
+        ready = not below or entry.held.ready()
+        if waited:
+            metrics.inc("lookup_read_waits", result="ready" if ready else "late")
+        return LookupAnswer(hit.end, hit.chunk_tiers, hit.start, ready=ready)
+
+    def _time_reads(self, held: HeldPrefix | GroupedHold, started: float, chunks: int) -> None:
+        def done() -> None:  # on the storage loop, once the reads are over
+            self.read_pace.observe(time.monotonic() - started, chunks)
+        held.add_done_callback(done)
 
     def _purge(self, now: float) -> None:
         """Drops lookups nobody loaded or released within the hold time (their holds are gone)."""

@@ -16,13 +16,14 @@ took ~2 ms (thread wake-ups under the engine's load), a direct call ~0.1 ms.
 
 Wire format (no pickle): lookup request = [seq: u64 LE, request id: UTF-8, start: u64 LE, token ids:
 int64 LE array, extra keys: `ExtraKeys.to_bytes()` (b"" for plain text)], reply = [seq, end of the hit
-tokens: i64 LE, start: i64 LE, pending: u8, then one byte per chunk of the hit from start: its tier's
+tokens: i64 LE, start: i64 LE, flags: u8 (1 pending, 2 ready), then one byte per chunk of the hit from start: its tier's
 index in `storage.tier.TIER_NAMES`]; command request = [seq, b"cmd", name], reply = [seq, i64 LE result]. A rank
 that does not answer within the timeout counts as 0 hits (a failed command), never an error.
 
 The answer (`LookupAnswer`) says which tier holds each chunk of the hit (whether the load needs a slower
 tier, vLLM's hit-source metric and our `hit_tokens{tier}`); over several ranks a chunk counts in the
-slowest tier any rank holds it in. The same
+slowest tier any rank holds it in. `ready` says the chunks from below are already read into host memory
+(on every rank), so the hit loads inside the step like an L1 hit. The same
 channel carries commands to every rank (`LookupClient.command`, e.g. clearing the cache for vLLM's
 `/reset_prefix_cache`); each answers an integer, and the client gets every rank's or None.
 
@@ -59,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
-_ANSWER = struct.Struct("<qqB")  # hit end, start, pending; the chunks' tier codes follow
+_ANSWER = struct.Struct("<qqB")  # hit end, start, flags; the chunks' tier codes follow
+_PENDING, _READY = 1, 2  # the flags' bits (others are ignored)
 _CMD = b"cmd"
 _MAX_REQ_ID = 1024  # bytes of a request id on the wire (vLLM's are ~40)
 _UNKNOWN_TIER = 255
@@ -156,6 +158,7 @@ class LookupAnswer(NamedTuple):
     chunk_tiers: tuple[str, ...] = ()  # tier name of each chunk of the run from `start` ("" = not said)
     start: int = 0  # the run starts here (chunk-aligned, at or before the query's start)
     pending: bool = False  # a slower tier has not said yet where the chunks are: ask again
+    ready: bool = False  # every chunk is in host memory now (chunks from below already read into L1)
 
     @classmethod
     def of(cls, value: LookupAnswer | int) -> "LookupAnswer":
@@ -167,20 +170,27 @@ class LookupAnswer(NamedTuple):
         """Every chunk of the hit is in host memory: loading it is a copy, no tier read waits."""
         return all(t == Tier.LOCAL_CPU for t in self.chunk_tiers)
 
+    @property
+    def loads_now(self) -> bool:
+        """Loading the hit is a copy from host memory (no read to wait for): it can load inside the step."""
+        return self.ready or self.in_l1
+
     def encode(self) -> bytes:
         codes = bytes(TIER_NAMES.index(t) if t in TIER_NAMES else _UNKNOWN_TIER for t in self.chunk_tiers)
-        return _ANSWER.pack(self.hit_tokens, self.start, int(self.pending)) + codes
+        flags = (_PENDING if self.pending else 0) | (_READY if self.ready else 0)
+        return _ANSWER.pack(self.hit_tokens, self.start, flags) + codes
 
     @classmethod
     def decode(cls, payload: bytes) -> "LookupAnswer":
-        hit, start, pending = _ANSWER.unpack_from(payload)
+        hit, start, flags = _ANSWER.unpack_from(payload)
         tiers = tuple(TIER_NAMES[c] if c < len(TIER_NAMES) else "" for c in payload[_ANSWER.size:])
-        return cls(hit, tiers, start, bool(pending))
+        return cls(hit, tiers, start, bool(flags & _PENDING), bool(flags & _READY))
 
     @classmethod
     def minimum(cls, answers: Sequence["LookupAnswer"]) -> "LookupAnswer":
         """What every rank holds: pending if any rank is; the shortest hit; each chunk in the slowest tier
-        any rank has it in (every rank was asked from the same start, so their chunks line up)."""
+        any rank has it in (every rank was asked from the same start, so their chunks line up); ready if
+        every rank's is."""
         if any(a.pending for a in answers):
             return cls(0, pending=True)
         start = max(a.start for a in answers)
@@ -191,7 +201,7 @@ class LookupAnswer(NamedTuple):
         order = {t: i for i, t in enumerate(TIER_NAMES)}
         tiers = tuple(max((a.chunk_tiers[i] for a in answers), key=lambda t: order.get(t, len(order)))
                       for i in range(n))
-        return cls(hit, tiers, start)
+        return cls(hit, tiers, start, ready=all(a.ready for a in answers))
 
 
 class LookupServer:

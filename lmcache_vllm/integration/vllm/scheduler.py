@@ -145,7 +145,7 @@ class SchedulerHalf:
             # let go in update_state_after_alloc, and storing the prompt skips the chunks we hold.
             metrics.inc("retrieves_below_minimum")
             return 0, False
-        lookup.load_async = (self.async_loading and not answer.in_l1) or self.groups is not None
+        lookup.load_async = (self.async_loading and not answer.loads_now) or self.groups is not None
         return usable - num_computed_tokens, lookup.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

@@ -121,6 +121,7 @@ class WorkerHalf:
                                  use_layerwise=layerwise, timeout_s=config.blocking_timeout_secs,
                                  failure_agreement=self._failure_agreement,
                                  open_peer=self.pd.open_peer if self.pd is not None else None,
+                                 read_wait_s=config.extra_config.lookup_read_wait_ms / 1000,
                                  # vLLM registers the caches from the thread that runs its steps
                                  overlap=not layerwise and overlap_wanted(config.extra_config.overlap_loads,
                                                                           self.kv_caches[0].device.type))

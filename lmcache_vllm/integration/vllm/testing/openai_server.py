@@ -84,7 +84,7 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
 
 
 def scrape(base: str) -> dict[tuple[str, str], float]:
-    """`/metrics` as {(sample name, label value of tier or source): value}, summed over other labels."""
+    """`/metrics` as {(sample name, label value of tier, source or result): value}, summed over other labels."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[tuple[str, str], float] = {}
@@ -93,7 +93,7 @@ def scrape(base: str) -> dict[tuple[str, str], float]:
         if match is None:
             continue
         name, labels, value = match.groups()
-        found = re.search(r'(?:tier|source)="([^"]*)"', labels or "")
+        found = re.search(r'(?:tier|source|result)="([^"]*)"', labels or "")
         key = (name, found.group(1) if found else "")
         out[key] = out.get(key, 0.0) + float(value)
     return out
