@@ -23,8 +23,10 @@ or in LMCache's L2 (its `fs` adapter). Configurations, one after another, all bo
 `cache_policy: LIP`, ours with lossless (`ours_lossless`) and fp8 (`ours_fp8`) chunk files (the disk's codec,
 `extra_config.local_disk_serde`; default naive; these two only when `--only` names them), ours with
 `save_decode_cache` off whatever the default (`ours_no_decode`, the base of `*_vs_ours_no_decode_ratio`; only when
-`--only` names it), LMCache's server mode (`--vs-lmcache PYTHON`). Each of ours also replays its trace through
-other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum; chunk counts).
+`--only` names it), ours with chunk files written through the page cache (`ours_buffered`,
+`extra_config.disk_direct_io: false`; only when named), LMCache's server mode (`--vs-lmcache PYTHON`). Each of
+ours also replays its trace through other L1 eviction policies (`_l1_replay.py`: LRU, ARC, Belady's optimum;
+chunk counts).
 
 Between the client and each server sits a recording proxy (`_chat_trace.py`): it sees every prompt's and
 answer's token ids, from which the unbounded-cache hit (`unbounded_hits`: whole vLLM blocks and whole chunks
@@ -104,6 +106,7 @@ FULL = Workload(users=16, turns=6, system_tokens=1000, document_tokens=1500, que
 
 
 CODEC_RUNS = ("ours_lossless", "ours_fp8")  # run only when --only names them (bench_codecs.py says how)
+ONLY_NAMED = ("ours_no_decode", "ours_buffered")  # likewise
 
 
 def client_script() -> Path:
@@ -199,6 +202,9 @@ def counters(before: dict, after: dict) -> dict:
                                "ours_save_wait_seconds": ("save_wait_seconds_total", ""),
                                "ours_load_requests": ("load_requests_total", ""),
                                "ours_async_load_requests": ("async_load_requests_total", ""),
+                               # disk hits read while their lookup waited (loaded inside the step), or not
+                               "ours_read_waits_ready": ("lookup_read_waits_total", "ready"),
+                               "ours_read_waits_late": ("lookup_read_waits_total", "late"),
                                "preemptions": ("vllm:num_preemptions_total", ""),
                                # time requests waited to be scheduled (blocks held by others' saves show here)
                                "queue_seconds": ("vllm:request_queue_time_seconds_sum", ""),
@@ -260,6 +266,11 @@ def measure(name: str, tmp: Path, model: str, kv_config: dict | None, w: Workloa
           f"prompt tokens (unbounded: {row['unbounded_tokens']}; in whole blocks {row['unbounded_block_tokens']}, "
           f"whole {chunk_size}-token chunks {row['unbounded_chunk_tokens']}); the machine stalled "
           f"{row['machine_stall_s']:.1f} s", flush=True)
+    if row["ours_load_requests"]:
+        print(f"   {name}: {int(row['ours_load_requests'])} loads, "
+              f"{int(row['ours_async_load_requests'])} asynchronous; hits from below read while the lookup "
+              f"waited: {int(row['ours_read_waits_ready'])} (and "
+              f"{int(row['ours_read_waits_late'])} waited for in vain)", flush=True)
     (tmp / f"{name}.trace.json").write_text(json.dumps([asdict(e) for e in exchanges]))
     return row, exchanges
 
@@ -291,7 +302,7 @@ def main() -> None:
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
         p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode "
-                       "ours_no_decode ours_lip ours_lossless ours_fp8 lmcache")
+                       "ours_no_decode ours_lip ours_buffered ours_lossless ours_fp8 lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
         p.add_argument("--turns", type=int, help="user turns per conversation (default 6, --quick 4)")
@@ -342,14 +353,16 @@ def main() -> None:
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
                 ("ours_no_decode", ours({**tiers, "save_decode_cache": False}, args.chunk_size)),
                 ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
+                # chunk files written through the page cache: a turn's reads of the last turn's chunks from memory
+                ("ours_buffered", ours({**tiers, "extra_config": {"disk_direct_io": False}}, args.chunk_size)),
                 # the disk tier's codec (ours: naive, the default): lossless and fp8 chunk files against it
                 ("ours_lossless", ours({**tiers, "extra_config": {"local_disk_serde": "lossless"}}, args.chunk_size)),
                 ("ours_fp8", ours({**tiers, "extra_config": {"local_disk_serde": "fp8"}}, args.chunk_size))]
         common = dict(model=model, w=w, conversations=conversations, script=script, num_blocks=num_blocks,
                       max_model_len=max_model_len, allowed=allowed)
         for name, kv_config in plan:
-            if (args.only and name not in args.only) or (not args.only and name in CODEC_RUNS + ("ours_no_decode",)):
-                continue  # the codecs and ours_no_decode (save_decode_cache off whatever the default) only when named
+            if (args.only and name not in args.only) or (not args.only and name in CODEC_RUNS + ONLY_NAMED):
+                continue  # the codecs, ours_no_decode and ours_buffered only when named
             if kv_config is not None:  # a fresh disk tier for each of ours
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:
