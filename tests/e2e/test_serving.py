@@ -95,7 +95,9 @@ def reference(tiny_model, tmp_path_factory):
 def test_frozen_redis_delays_only_the_request_that_waits_for_it(tiny_model, tmp_path, redis_server, reference):
     redis_server.ensure_running()
     extra = {"remote_url": redis_server.url, "max_local_cpu_size": 0.25,
-             "extra_config": {"remote_key_prefix": f"e2e-serving-{uuid.uuid4().hex[:8]}:", "remote_timeout_secs": 10.0}}
+             # lookups never wait for Redis's reads: every hit from it loads asynchronously (below: on its own)
+             "extra_config": {"remote_key_prefix": f"e2e-serving-{uuid.uuid4().hex[:8]}:", "remote_timeout_secs": 10.0,
+                              "lookup_read_wait_ms": 0}}
     with server(tmp_path, tiny_model, h.connector(extra)) as (base, log):
         cold = completion(base, tiny_model, HIT_PROMPT)
         assert serving.cached_tokens(cold) == 0

@@ -107,7 +107,10 @@ def reader(tiny_model, work, redis_server, redis_config, writer):
         client.set(garbage_key, GARBAGE)
     finally:
         client.close()
-    result = h.run_job(work, "reader", job(tiny_model, redis_config), hash_seed=2)
+    # Its lookups wait for Redis's reads (up to 1 s, well past a loopback read): each hit loads inside its step
+    # (tests/e2e/test_serving.py checks hits that load asynchronously).
+    config = {**redis_config, "extra_config": {**redis_config["extra_config"], "lookup_read_wait_ms": 1000}}
+    result = h.run_job(work, "reader", job(tiny_model, config), hash_seed=2)
     client = redis_client(redis_server)
     try:
         value = client.get(garbage_key)
@@ -145,6 +148,7 @@ def test_fresh_process_hits_from_redis(reader, reference):
     stats = reader["stats"]
     assert stats["loaded_tokens"] >= 512
     assert stats.get("chunk_hits.redis", 0) >= 2, stats  # its own L1 started empty
+    assert stats.get("lookup_read_waits.ready", 0) >= 1 and not stats.get("async_load_requests"), stats
 
 
 def test_garbage_bytes_in_redis_are_a_miss(reader, reference):
@@ -152,8 +156,8 @@ def test_garbage_bytes_in_redis_are_a_miss(reader, reference):
     assert stats["corrupt_chunks.redis"] >= 1
     assert stats["failed_load_tokens"] >= 1
     # Its first chunk is the garbage: whatever the lookup promised, every token was computed. For a
-    # synchronous load vLLM reports the hit it planned (the failed tokens were recomputed); a Redis hit
-    # loads asynchronously, and vLLM then reports what arrived.
+    # synchronous load (also a Redis hit read while its lookup waited) vLLM reports the hit it planned (the
+    # failed tokens were recomputed); an asynchronous one reports what arrived.
     garbled = h.phase(reader, "garbled")[0]
     computed = dict(garbled, num_cached_tokens=max(0, garbled["num_cached_tokens"]
                                                    - stats["failed_load_tokens"]))
