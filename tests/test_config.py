@@ -237,6 +237,8 @@ def test_lookup_read_wait_is_bounded():
         error = problems_of({"extra_config": {"lookup_read_wait_ms": value}})
         assert "milliseconds from 0 to 1000" in str(error)
     assert load_config({"extra_config": {"lookup_read_wait_ms": 0}}, environ={}).extra_config.lookup_read_wait_ms == 0
+    error = problems_of({"lookup_timeout_ms": 50, "extra_config": {"lookup_read_wait_ms": 50}})
+    assert "expected less than lookup_timeout_ms (50)" in str(error)
 
 
 @pytest.mark.parametrize("text,loads", [

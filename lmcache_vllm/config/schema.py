@@ -191,6 +191,10 @@ def _check_together(cfg: LMCacheConfig) -> list[Problem]:
         message = remote_url_problem(cfg.remote_url)
         if message:
             problems.append(Problem("remote_url", cfg.remote_url, message))
+    if cfg.extra_config.lookup_read_wait_ms >= cfg.lookup_timeout_ms:
+        problems.append(Problem("extra_config.lookup_read_wait_ms", cfg.extra_config.lookup_read_wait_ms,
+                                f"expected less than lookup_timeout_ms ({cfg.lookup_timeout_ms}): a lookup still "
+                                f"waiting for its reads then would count as a miss"))
     problems += tls_problems(cfg.remote_url, cfg.extra_config)
     problems += _p2p_problems(cfg)
     problems += _mooncake_problems(cfg)
