@@ -394,13 +394,14 @@ views = [torch.zeros(4, 16, 2, 128, dtype=bf).permute(0, 2, 1, 3)] * 2  # LBNHC-
 vout = torch.empty(2, 2, 3, 128, dtype=bf)
 ok = torch.tensor([0, 1, 2])
 cases = [
-    ("beyond", lambda: ext.gather(packed, torch.tensor([0, 1, 4 * 16]), out, 0, 16)),  # the GPU host's segfault
+    # the GPU hosts' segfaults (2026-11-23 and -30): formatting an integer into the message
+    ("slot 64 beyond the cache's 64 slots", lambda: ext.gather(packed, torch.tensor([0, 1, 4 * 16]), out, 0, 16)),
     ("beyond", lambda: ext.scatter(out, packed, torch.tensor([0, 1, 10 ** 12]), 0, 16)),
     ("beyond", lambda: ext.gather(views, torch.tensor([0, 64, 1]), vout, 4, 16)),
-    ("unknown layout", lambda: ext.gather(packed, ok, out, 9, 16)),
+    ("unknown layout code 9", lambda: ext.gather(packed, ok, out, 9, 16)),
     ("unknown layout", lambda: ext.gather(packed, ok, out, 2, 16)),  # the old flash code is gone
     ("does not match", lambda: ext.gather(packed, torch.tensor([0, 1]), out, 0, 16)),
-    ("dtype", lambda: ext.gather([packed[0].float()], ok, out, 0, 16)),
+    ("dtype BFloat16 differs from the caches' dtype Float", lambda: ext.gather([packed[0].float()], ok, out, 0, 16)),
     ("int64", lambda: ext.gather(packed, ok.int(), out, 0, 16)),
     ("int64", lambda: ext.gather(packed, ok.view(3, 1), out, 0, 16)),
     ("int64", lambda: ext.gather(packed, torch.tensor(3), out, 0, 16)),  # 0-d slots
@@ -410,7 +411,8 @@ cases = [
     ("contiguous", lambda: ext.gather([torch.zeros(4, 2, 32, 128, dtype=bf)[:, :, ::2]], ok, out, 0, 16)),
     ("2*D", lambda: ext.gather(packed, ok, out, 0, 32)),  # block size not the cache's
     ("amx needs", lambda: ext.gather([torch.zeros(4, 2, 16, 128)], ok, torch.empty(1, 2, 3, 128), 1, 16)),
-    ("does not fit", lambda: ext.gather(packed, ok, torch.empty(1, 2, 3, 64, dtype=bf), 0, 16)),
+    ("chunk [1, 2, 3, 64] does not fit planes=2 width=128",
+     lambda: ext.gather(packed, ok, torch.empty(1, 2, 3, 64, dtype=bf), 0, 16)),
     ("cache 1", lambda: ext.gather([views[0], views[0].contiguous()], ok, vout, 4, 16)),
     ("does not fit", lambda: ext.gather(views, ok, torch.empty(2, 3, 3, 128, dtype=bf), 4, 16)),  # 3 planes
     ("does not fit", lambda: ext.gather(views, ok, torch.empty(2, 2, 3, 256, dtype=bf), 4, 16)),
@@ -529,12 +531,22 @@ def test_cuda_kernels_match_the_cpu_reference(kind, target, head_size, dtype):
 
 @needs_cuda_ext
 def test_cuda_kernel_rejects_bad_input_without_crashing():
+    """In a child, like the CPU op's: on the H200 host of 2026-11-30 the old message building crashed the
+    process (an integer into a std::ostringstream), which killed the whole test run."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import test_ops; "
+            "test_ops.cuda_bad_inputs(); print('rejected')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.split()[-1:] == ["rejected"], \
+        f"child ended with {result.returncode}: {result.stderr[-2000:]}"
+
+
+def cuda_bad_inputs() -> None:
     caches = cpu_caches("lbnhc", 2, 8, 2, 64, 16, torch.bfloat16, torch.Generator().manual_seed(0), "cuda")
     slots = torch.arange(4, device="cuda")
     out = torch.zeros(2, 2, 4, 128, dtype=torch.bfloat16, device="cuda")
     assert "pinned" in cuda_ext.gather(caches, slots, out.cpu(), 4, 16)  # pageable host memory
     assert "int64" in cuda_ext.gather(caches, slots.cpu(), out, 4, 16)  # slots on the host
-    assert "layout code" in cuda_ext.gather(caches, slots, out, 2, 16)
+    assert "layout code 2 is not" in cuda_ext.gather(caches, slots, out, 2, 16)
     assert "does not fit" in cuda_ext.gather(caches, slots, out[:, :, :, :64].contiguous(), 4, 16)
     assert "cache 1" in cuda_ext.gather([caches[0], caches[1].contiguous()], slots, out, 4, 16)
     assert cuda_ext.gather(caches, slots, out, 4, 16) == ""

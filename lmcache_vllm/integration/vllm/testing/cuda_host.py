@@ -91,7 +91,11 @@ def build(variant: str = "as_built") -> str:
     include = cuda_include_dir()
     if compiler is None or include is None:
         raise HostKernelUnavailable(f"needs g++ ({compiler}) and the CUDA toolkit headers ({include})")
-    flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-Wno-unknown-pragmas", *SANITIZE,
+    # -Bsymbolic: the kernel's calls of the emulated CUDA runtime (cudaHostGetDevicePointer, ...) bind to this
+    # library's own definitions. Without it, in a process whose torch has CUDA (libcudart loaded globally),
+    # they went to the real runtime, which gives a host chunk no alias (seen on the H200 host, 2026-11-30).
+    flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-Wl,-Bsymbolic", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+             *SANITIZE,
              f"-I{include}", f"-I{CUDA_OPS}", "-include", os.path.join(CUDA_OPS, "host_emulation.h"),
              *VARIANTS[variant]]
     digest = hashlib.sha1(" ".join([compiler, *flags]).encode())
