@@ -144,6 +144,33 @@ def test_hit_read_within_the_lookup_is_ready_and_loads_inside_the_step(tmp_path)
         worker.shutdown()
 
 
+def test_hit_whose_read_fails_within_the_lookup_is_not_ready(tmp_path):
+    """A tier that lists a chunk it can no longer give (its files are gone, as a dead Mooncake host's
+    chunks are): the reads end within the lookup's wait but bring nothing, so the hit is not `ready`
+    (a load inside the step would fail, and vLLM would still count those tokens as cached). It loads
+    asynchronously, which reports the failed blocks before the request is scheduled."""
+    caches = make_caches(True, seed=11)
+    engine = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.1)
+    worker = make_worker(engine, caches)
+    worker.load.requests.read_wait_s = 10.0
+    try:
+        tokens, _, dst = store_prompt(worker, 1300, 2, 20)
+        files = [f for f in tmp_path.rglob("*") if f.is_file()]
+        assert files
+        for f in files:
+            f.unlink()
+        result = ask(worker, "r", tokens)
+        assert result.hit_tokens == 2 * CHUNK and not result.ready and not result.loads_now
+        assert metrics.value("lookup_read_waits", result="failed") == 1
+        spec = LoadSpec("r", np.asarray(tokens), dst, skip_leading=0, load_end=2 * CHUNK - 1, is_async=True)
+        meta = LMCacheConnectorMetadata(loads=[spec])
+        worker.start_load_kv(meta)
+        done, _ = finish_async(worker, meta)
+        assert done == {"r"} and worker.take_load_errors()  # its blocks are recomputed
+    finally:
+        worker.shutdown()
+
+
 def test_slow_reads_are_not_waited_for_by_the_lookup(tmp_path, monkeypatch):
     """Reads that do not end within the lookup's wait are answered not ready (loaded asynchronously), and
     once the pace says reads are slow a lookup does not wait for them at all."""

@@ -101,8 +101,9 @@ STABLE = [
      ' arrived was recomputed'),
     ("lookup_read_waits", "counter", ("result",),
      "First lookups of a hit read from a lower tier that waited for its reads (the recent reads' pace said "
-     "they end within a copy's time): ready (loaded inside the step like an L1 hit) or late (loaded "
-     "asynchronously)"),
+     "they end within extra_config.lookup_read_wait_ms): ready (loaded inside the step like an L1 hit), late "
+     "(loaded asynchronously) or failed (a read did not bring a chunk its tier listed: loaded asynchronously, "
+     "the rest recomputed)"),
     ("aborted_async_loads", "counter", (),
      'Requests that finished (aborted) while their asynchronous load waited; its reads and holds'
      ' were released'),

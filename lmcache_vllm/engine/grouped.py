@@ -176,6 +176,9 @@ class GroupedHold:
     def ready(self) -> bool:
         return all(hold.ready() for hold in self._holds())
 
+    def read_in_full(self) -> bool:
+        return all(hold.read_in_full() for hold in self._holds())
+
     def wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         for hold in self._holds():

@@ -41,8 +41,14 @@ class HeldPrefix:
         return PrefixHit(self.start, self.ends[n - 1] if n else 0, tuple(found.tiers))
 
     def ready(self) -> bool:
-        """Whether every chunk located is read and held (nothing left to wait for)."""
+        """Whether the reads are over (nothing left to wait for; a failed read also ends them)."""
         return self.handle.done()
+
+    def read_in_full(self) -> bool:
+        """Whether the reads are over and brought every chunk located: a lower tier can list a chunk it then
+        cannot give (its host died), and a load planned on the located hit would fail."""
+        found = self.handle.located(0.0)
+        return self.handle.done() and found is not None and self.handle.held() >= found.num_chunks
 
     def wait(self, timeout: float | None) -> None:
         """Waits (at most `timeout` s) until every chunk located is read and held."""

@@ -108,8 +108,9 @@ METRIC_LIST: tuple[MetricDef, ...] = (
     _c("async_load_timeouts", "requests", "Asynchronous loads whose chunks were not read within "
        "blocking_timeout_secs; what had not arrived was recomputed"),
     _c("lookup_read_waits", "requests", "First lookups of a hit read from a lower tier that waited for its reads "
-       "(the recent reads' pace said they end within a copy's time): ready (loaded inside the step like an L1 "
-       "hit) or late (loaded asynchronously)", ("result",)),
+       "(the recent reads' pace said they end within extra_config.lookup_read_wait_ms): ready (loaded inside "
+       "the step like an L1 hit), late (loaded asynchronously) or failed (a read did not bring a chunk its tier "
+       "listed: loaded asynchronously, the rest recomputed)", ("result",)),
     _c("aborted_async_loads", "requests", "Requests that finished (aborted) while their asynchronous load "
        "waited; its reads and holds were released"),
     _c("durable_save_timeouts", "requests", "A producer's saves of a complete prompt not written to every "

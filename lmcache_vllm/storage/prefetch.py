@@ -190,6 +190,7 @@ class PrefetchHandle:
         # Set by the lower-tier phase when it is over, however it ended. Not the future's state: a
         # cancelled future says done at once, while the task on the loop may still be reading.
         self._finished = threading.Event()
+        self._read = 0  # chunks the lower-tier phase read and holds (set when it is over)
         self._callbacks: list[Callable[[], None]] = []
         self._callbacks_lock = threading.Lock()
 
@@ -215,9 +216,11 @@ class PrefetchHandle:
             self._located_event.wait(timeout)
         return self._located
 
-    def finished(self) -> None:
-        """Called on the storage loop when the lower-tier phase is over (read, failed or cancelled)."""
+    def finished(self, read: int = 0) -> None:
+        """Called on the storage loop when the lower-tier phase is over (read, failed or cancelled), with
+        how many chunks (after those L1 held) it read and holds."""
         with self._callbacks_lock:
+            self._read = read
             self._finished.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -226,6 +229,11 @@ class PrefetchHandle:
     def done(self) -> bool:
         """Whether the reads are over: nothing of this prefetch runs any more (also after a cancel)."""
         return self._future is None or self._finished.is_set()
+
+    def held(self) -> int:
+        """Chunks (from the first) held once `done()`: those L1 had and those read. Fewer than located when a
+        read failed (a lower tier listed a chunk it could not give) or the prefetch was cancelled."""
+        return self._ready + (self._read if self._finished.is_set() else 0)
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
         """`callback()` once the reads are over (at once if they are); runs on the storage loop."""

@@ -149,6 +149,7 @@ class LowerTierReads:
         (bounded by the lookup timeout: no answer in time is no hit), tells the handle, then reads and holds
         that prefix. What `peer` does not serve is then looked for in the lower tiers. Tells the handle when
         it is over, however it ends (`handle.done()`)."""
+        got = 0
         try:
             tiers = list(self.lower) if peer is None else [peer, *self.lower]
             got = await self._locate_and_fetch(keys, owner, tiers, handle, ready, expected, tenant)
@@ -157,7 +158,7 @@ class LowerTierReads:
                                                     tenant)
             return got
         finally:
-            handle.finished()
+            handle.finished(got)
 
     async def _locate_and_fetch(self, keys: Sequence[str], owner: int, tiers: list[StorageBackend],
                                 handle: PrefetchHandle, ready: Optional[int] = None,

@@ -148,16 +148,20 @@ def test_fresh_process_hits_from_redis(reader, reference):
     stats = reader["stats"]
     assert stats["loaded_tokens"] >= 512
     assert stats.get("chunk_hits.redis", 0) >= 2, stats  # its own L1 started empty
-    assert stats.get("lookup_read_waits.ready", 0) >= 1 and not stats.get("async_load_requests"), stats
+    # LONG's Redis hit was read while its lookup waited: a load inside the step. GARBLED's read brought
+    # nothing (its first chunk is garbage), so it was not ready and loaded asynchronously: its only async load.
+    assert stats.get("lookup_read_waits.ready", 0) >= 1, stats
+    waited_in_vain = stats.get("lookup_read_waits.failed", 0) + stats.get("lookup_read_waits.late", 0)
+    assert waited_in_vain == 1 and stats.get("async_load_requests") == 1, stats
 
 
 def test_garbage_bytes_in_redis_are_a_miss(reader, reference):
     stats = reader["stats"]
     assert stats["corrupt_chunks.redis"] >= 1
     assert stats["failed_load_tokens"] >= 1
-    # Its first chunk is the garbage: whatever the lookup promised, every token was computed. For a
-    # synchronous load (also a Redis hit read while its lookup waited) vLLM reports the hit it planned (the
-    # failed tokens were recomputed); an asynchronous one reports what arrived.
+    # Its first chunk is the garbage: whatever the lookup promised, every token was computed. Its load is
+    # asynchronous (the read failed, so the lookup's answer was not ready), which reports what arrived; the
+    # subtraction also covers a synchronous one, for which vLLM reports the hit it planned.
     garbled = h.phase(reader, "garbled")[0]
     computed = dict(garbled, num_cached_tokens=max(0, garbled["num_cached_tokens"]
                                                    - stats["failed_load_tokens"]))

@@ -132,9 +132,13 @@ class RequestLoads:
             if self.read_wait_s and self.read_pace.expected(below) <= self.read_wait_s:
                 entry.held.wait(self.read_wait_s)
                 waited = True
-        ready = not below or entry.held.ready()
+        # Ready only if every chunk located was read: a load inside the step planned on chunks a read did not
+        # bring fails, and vLLM then keeps the hit in the request's cached-token count. Such a hit loads
+        # asynchronously, whose failures are reported before the request is scheduled.
+        ready = not below or entry.held.read_in_full()
         if waited:
-            metrics.inc("lookup_read_waits", result="ready" if ready else "late")
+            result = "ready" if ready else "late" if not entry.held.ready() else "failed"
+            metrics.inc("lookup_read_waits", result=result)
         return LookupAnswer(hit.end, hit.chunk_tiers, hit.start, ready=ready)
 
     def _time_reads(self, held: HeldPrefix | GroupedHold, started: float, chunks: int) -> None:
