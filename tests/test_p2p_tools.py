@@ -69,7 +69,12 @@ def test_round_robin_proxy_alternates_and_skips_a_dead_instance(tmp_path):
     servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend) for _ in range(2)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    dead = free_port()
+    # The dead instance's port stays bound, never listening (a connection is refused), for the whole test: a
+    # port only looked up could come back from the next free_port() as the proxy's own (seen in a CI run:
+    # the proxy then forwarded the dead one's turns to itself, a turn more each time).
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reserved.bind(("127.0.0.1", 0))
+    dead = reserved.getsockname()[1]
     backends = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers] + [f"http://127.0.0.1:{dead}"]
     port = free_port()
     proxy = subprocess.Popen([sys.executable, str(h.ROOT / "examples" / "p2p_proxy.py"), "--port", str(port),
@@ -87,6 +92,7 @@ def test_round_robin_proxy_alternates_and_skips_a_dead_instance(tmp_path):
         proxy.wait(10)
         for server in servers:
             server.shutdown()
+        reserved.close()
 
 
 def _reachable(port: int) -> bool:
