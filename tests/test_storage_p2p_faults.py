@@ -93,7 +93,7 @@ def test_a_directory_that_is_down_is_a_counted_miss_and_stalls_nothing(redis_pre
         h.wait_until(lambda: metrics.value("p2p_directory_failures", op="advertise") >= 1)
 
 
-def test_a_frozen_directory_costs_at_most_the_lookup_timeout(own_redis, redis_prefix):
+def test_a_frozen_directory_costs_at_most_the_lookup_timeout(own_redis, redis_prefix, caplog):
     url = f"redis://127.0.0.1:{own_redis.port}"
     keys = [h.key(i) for i in range(2)]
     with h.manager(url, redis_prefix, "A") as a, \
@@ -107,6 +107,9 @@ def test_a_frozen_directory_costs_at_most_the_lookup_timeout(own_redis, redis_pr
             assert b.prefix_tiers([h.key(5)]) == []
             assert time.monotonic() - t0 < 1.5
             assert metrics.value("p2p_lookup_failures", reason="timeout") == 1
+            # the warning says where the lookup stood: in our directory's call, down to redis-py's read
+            stalled = [r.getMessage() for r in caplog.records if "took longer than its bound" in r.getMessage()]
+            assert len(stalled) == 1 and "directory.py" in stalled[0] and "pool: 1 in use" in stalled[0], stalled
         finally:
             os.kill(own_redis.proc.pid, signal.SIGCONT)
         h.wait_until(lambda: b.prefix_tiers(keys) == [Tier.P2P] * 2, what="lookups after the thaw")

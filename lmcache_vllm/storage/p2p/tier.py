@@ -36,7 +36,7 @@ import secrets
 import socket
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lmcache_vllm.config.peers import ip_literal
 from lmcache_vllm.config.remote_url import parse_remote_url
@@ -48,7 +48,7 @@ from lmcache_vllm.storage.local_disk import LocalDiskBackend
 from lmcache_vllm.storage.p2p.adverts import Adverts
 from lmcache_vllm.storage.p2p.directory import Directory, ServerInfo, chunk_id, key_space
 from lmcache_vllm.storage.p2p.peers import Backoff, PeerLabels, PeerTrust, plan_pulls
-from lmcache_vllm.storage.redis.client import ClientSettings, async_client
+from lmcache_vllm.storage.redis.client import ClientSettings, async_client, pool_state
 from lmcache_vllm.storage.tier import Tier
 from lmcache_vllm.storage.transfer import wire
 from lmcache_vllm.storage.transfer.client import PeerSource, PeerTier
@@ -67,6 +67,25 @@ TICK_S = 0.1  # withdrawals are written at least this often; additions at once (
 MAX_REMEMBERED = 8192  # keys whose holders a lookup found, kept for the pull that follows
 BACKED_OFF = ("timeout", "unreachable", "corrupt", "refused")  # pull failures that are the peer's
 SIGNATURE_SKEW_S = 30.0  # a directory entry's signature is taken this long past its end (clocks differ)
+
+
+def _waiting_in(task: "asyncio.Future[Any]") -> str:
+    """Where a pending task's coroutine waits: our innermost call and the calls it awaits below it (at most
+    ten in all): a stalled lookup's log line says which of our calls stood, and where in redis-py."""
+    calls: list[tuple[str, str]] = []
+    awaited: object = task.get_coro() if isinstance(task, asyncio.Task) else None
+    while awaited is not None and len(calls) < 64:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+        if frame is not None:
+            path = frame.f_code.co_filename
+            calls.append((path, f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"))
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+    ours = [i for i, (path, _) in enumerate(calls) if f"{os.sep}lmcache_vllm{os.sep}" in path]
+    first = ours[-1] if ours else 0
+    shown = list(range(first, len(calls)))
+    if len(shown) > 10:  # our innermost call, then the library's last nine
+        shown = shown[:1] + shown[-9:]
+    return " > ".join(calls[i][1] for i in shown) or "?"
 
 
 def _safe(name: str) -> str:
@@ -257,11 +276,19 @@ class P2PTier(StorageBackend):
             return [False] * len(keys)
         t0 = time.perf_counter()
         reason = ""
+        lookup = asyncio.ensure_future(self._holders(keys))
         try:
-            found = await asyncio.wait_for(self._holders(keys), self.lookup_timeout_s)
-        except asyncio.TimeoutError:
-            reason = "timeout"
+            done, _ = await asyncio.wait((lookup,), timeout=self.lookup_timeout_s)
+            if not done:
+                reason = "timeout"
+                logs.warn(logger, "p2p_lookup_timeout", "P2P: a directory lookup in %s took longer than its bound "
+                          "(%.1f s): a miss; it was waiting in %s; %s", self.target.display(),
+                          self.lookup_timeout_s, _waiting_in(lookup), pool_state(self.directory.client))
+                lookup.cancel()
+            else:
+                found = lookup.result()
         except asyncio.CancelledError:
+            lookup.cancel()
             raise
         except Exception as exc:
             reason = "error"

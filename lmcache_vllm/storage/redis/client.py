@@ -216,3 +216,13 @@ def preflight(target: RedisTarget, settings: ClientSettings) -> tuple[str, bool]
                 client.close()
             except Exception:  # closing a half-open client is best effort
                 pass
+
+
+def pool_state(client: Any) -> str:
+    """A single-server client's connection pool as a log line shows it (a stalled call's diagnosis: were all
+    connections taken?); other topologies say nothing. redis-py's pool keeps no public counts."""
+    pool = getattr(client, "connection_pool", None)
+    in_use, idle = getattr(pool, "_in_use_connections", None), getattr(pool, "_available_connections", None)
+    if in_use is None or idle is None:
+        return "pool: -"
+    return f"pool: {len(in_use)} in use, {len(idle)} idle, at most {getattr(pool, 'max_connections', '?')}"
