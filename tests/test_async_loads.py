@@ -12,7 +12,7 @@ import redis
 import torch
 from test_engine import BLOCK, CHUNK, kv_of, make_caches, make_engine, worker_config
 
-from lmcache_vllm.integration.vllm.loads import FIRST_ANSWER_WAIT_S
+from lmcache_vllm.integration.vllm.loads import FIRST_ANSWER_WAIT_S, IDLE_STEP_WAIT_S
 from lmcache_vllm.integration.vllm.lookup import LookupQuery
 from lmcache_vllm.integration.vllm.metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_vllm.integration.vllm.worker import WorkerHalf
@@ -289,6 +289,12 @@ def test_paused_redis_makes_lookups_pending_and_never_stalls_a_step(redis_server
         assert result.pending and took < FIRST_ANSWER_WAIT_S + STEP_BUDGET_S
         result, took = timed(ask, worker, "r", tokens)  # asked again next step: no wait at all
         assert result.pending and took < STEP_BUDGET_S
+        # ... unless that step computed nothing: then vLLM loops over empty steps, and each ask waits a little
+        # for the answer instead (IDLE_STEP_WAIT_S), sparing the CPU that spinning took
+        worker.get_finished(LMCacheConnectorMetadata(idle=True), set())
+        result, took = timed(ask, worker, "r", tokens)
+        assert result.pending and IDLE_STEP_WAIT_S <= took < IDLE_STEP_WAIT_S + STEP_BUDGET_S
+        worker.get_finished(LMCacheConnectorMetadata(idle=False), set())  # a step that computed: no wait again
         result = ask_until_answered(worker, "r", tokens)
         assert result.hit_tokens == 3 * CHUNK and result.chunk_tiers == ("redis",) * 3
         pause.join(10)

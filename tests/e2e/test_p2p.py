@@ -66,8 +66,7 @@ def directory(redis_server) -> str:
 
 def p2p_config(directory: str, port: int) -> dict:
     # Wide bounds: this test is about what is found and loaded, not how fast (a lookup past its bound, 0.5 s for
-    # the directory by default and 3 s in all, is a miss). B's P2P calls were still seen to stall for a whole
-    # bound once: see test_b_serves_a_prompt_only_a_has_seen.
+    # the directory by default and 3 s in all, is a miss); see test_b_serves_a_prompt_only_a_has_seen.
     return {"enable_p2p": True, "p2p_host": "127.0.0.1", "p2p_init_ports": [port], "max_local_cpu_size": 0.25,
             "lookup_timeout_ms": 15000,
             "extra_config": {"p2p_directory_url": directory, "remote_key_prefix": PREFIX, "pd_peers": PEERS,
@@ -159,10 +158,12 @@ def test_b_serves_a_prompt_only_a_has_seen(instance_a, instance_b, reference, ti
     warm = complete(instance_b[0], tiny_model, SHARED)
     before = {"hits": 0.0, "pulled": 0.0}
     if warm["num_cached_tokens"] == 0:
-        # NOT UNDERSTOOD (open): on a loaded 2-core machine one of B's P2P calls sometimes stalls for its whole bound
-        # (once a directory lookup of one rank and the other rank's wait for A's END, 10 s each, at the same time).
-        # The request is then a counted miss, recomputed: its tokens must be the cold reference's. B's own L1 now
-        # holds the prompt, so it is emptied; after A's backoff B asks once more, and that must load 512 from A.
+        # On a loaded 2-core machine a P2P call of B may still stall for its whole bound: the directory's
+        # redis-server (sharing the two cores) once went unscheduled for seconds while vLLM looped over empty
+        # steps, which a pending lookup no longer does (loads.py, IDLE_STEP_WAIT_S); what the lookup waited in
+        # is in B's log. The request is then a counted miss, recomputed: its tokens must be the cold reference's.
+        # B's own L1 now holds the prompt, so it is emptied; after A's backoff B asks once more, and that must load
+        # 512 from A.
         # A warning, not a print: pytest's summary shows it for a test that then passes (a print it hides).
         warnings.warn("B's first request found nothing in A; asked again. " + diagnosis(*instance_b, tiny_model),
                       stacklevel=1)

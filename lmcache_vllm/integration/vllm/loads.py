@@ -3,8 +3,9 @@
 - `lookup(query)` answers the scheduler for request R: the engine finds R's chunks from the token vLLM
   already holds on and *holds* them (`CacheEngine.lookup_and_hold`: L1 chunks at once, lower-tier ones
   are read into L1 in the background). The answer never waits on a slow tier for long: the first ask
-  waits at most `FIRST_ANSWER_WAIT_S` for the lower tiers to say where the chunks are, later asks not at
-  all; until they answer the result is `pending` (vLLM tries R again next step, other requests run). Then,
+  waits at most `FIRST_ANSWER_WAIT_S` for the lower tiers to say where the chunks are, later asks only after
+  a step that computed nothing (`IDLE_STEP_WAIT_S`); until they answer the result is `pending` (vLLM tries R
+  again next step, other requests run). Then,
   when the pace of recent reads (`ReadPace`) says they end within `extra_config.lookup_read_wait_ms`, the
   first ask waits that long for the reads too: a hit read by then is answered `ready` and loads inside the
   step like an L1 hit.
@@ -45,7 +46,10 @@ logger = logging.getLogger(__name__)
 # the answer `pending` instead of stalling vLLM's scheduler, which then runs the other requests.
 FIRST_ANSWER_WAIT_S = 0.02
 # How long a step with nothing to compute waits for an asynchronous load to finish before returning
-# (vLLM then loops over empty steps; waiting here spares it most of that spinning).
+# (vLLM then loops over empty steps; waiting here spares it most of that spinning). A lookup asked again
+# after such a step waits as long for its answer: a request whose lookup is pending made vLLM loop over
+# empty steps too, hundreds a second over every rank, and on a small machine that spinning kept a
+# co-located directory or Redis off the CPU for seconds (the P2P lookups that stalled for their bound).
 IDLE_STEP_WAIT_S = 0.01
 
 
@@ -100,6 +104,7 @@ class RequestLoads:
         self._lookups: dict[str, _Lookup] = {}
         self._async: dict[str, AsyncLoad] = {}
         self._progress = threading.Event()
+        self._idle_step = False  # the last step computed nothing (vLLM loops over empty steps)
         self._last_purge = time.monotonic()
         self.read_pace = ReadPace()
 
@@ -111,14 +116,15 @@ class RequestLoads:
         stale = None
         with self._lock:
             entry = self._lookups.get(query.req_id)
-            wait = 0.0
+            first = False
+            wait = IDLE_STEP_WAIT_S if self._idle_step else 0.0  # an answer still pending: see IDLE_STEP_WAIT_S
             if entry is not None and (entry.start != start or entry.num_tokens != len(query.token_ids)
                                       or now - entry.created > self.hold_s):
                 stale, entry = entry, None
             if entry is None:
                 held = self.engine.lookup_and_hold(query.token_ids, start, query.extra)
                 entry = self._lookups[query.req_id] = _Lookup(held, start, len(query.token_ids), now)
-                wait = FIRST_ANSWER_WAIT_S
+                first, wait = True, FIRST_ANSWER_WAIT_S
         if stale is not None:
             stale.held.release()
         self._purge(now)
@@ -127,7 +133,7 @@ class RequestLoads:
             return LookupAnswer(0, pending=True)
         below = sum(t != Tier.LOCAL_CPU for t in hit.chunk_tiers)
         waited = False
-        if below and wait:  # the first ask of a hit that reads from below
+        if below and first:  # the first ask of a hit that reads from below
             self._time_reads(entry.held, now, below)
             if self.read_wait_s and self.read_pace.expected(below) <= self.read_wait_s:
                 entry.held.wait(self.read_wait_s)
@@ -156,6 +162,10 @@ class RequestLoads:
             entries = [self._lookups.pop(r) for r in old]
         for entry in entries:
             entry.held.release()
+
+    def note_step(self, idle: bool) -> None:
+        """Whether the worker's last step computed nothing: a lookup asked again then may wait a little."""
+        self._idle_step = idle
 
     def take(self, req_id: str):
         """The held prefix of `req_id`'s lookup for its load (None: no lookup or it expired)."""
