@@ -106,7 +106,7 @@ FULL = Workload(users=16, turns=6, system_tokens=1000, document_tokens=1500, que
 
 
 CODEC_RUNS = ("ours_lossless", "ours_fp8")  # run only when --only names them (bench_codecs.py says how)
-ONLY_NAMED = ("ours_no_decode", "ours_buffered")  # likewise
+ONLY_NAMED = ("ours_no_decode", "ours_buffered", "vllm_device")  # likewise
 
 
 def client_script() -> Path:
@@ -283,7 +283,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
             if row["ours_hit_tokens"]:  # the same from our counters: vLLM's own hits + what our tiers served
                 out[f"{name}.ours_counted_vs_unbounded_ratio"] = (
                     (row["vllm_prefix_cache_tokens"] + row["ours_hit_tokens"]) / row["unbounded_tokens"])
-        for base in ("vllm", "lmcache", "ours_no_decode"):
+        for base in ("vllm", "vllm_device", "lmcache", "ours_no_decode"):
             other = rows.get(base)
             if other is None or base == name:
                 continue
@@ -301,7 +301,7 @@ def main() -> None:
     def add_arguments(p) -> None:  # (the codec runs only when --only names them)
         p.add_argument("--vs-lmcache", metavar="PYTHON", help="an interpreter with LMCache 0.5.6 "
                        "(scripts/make_lmcache_venv.sh): also run LMCache's server mode")
-        p.add_argument("--only", nargs="*", help="run only these configurations: vllm ours ours_decode "
+        p.add_argument("--only", nargs="*", help="run only these configurations: vllm vllm_device ours ours_decode "
                        "ours_no_decode ours_lip ours_buffered ours_lossless ours_fp8 lmcache")
         p.add_argument("--chunk-size", type=int, default=None, help="our chunk size (default: our default)")
         p.add_argument("--users", type=int, help="conversations (default 16, --quick 12)")
@@ -349,7 +349,7 @@ def main() -> None:
         disk_gib = 8.0 if args.disk_fraction is None else \
             round(args.disk_fraction * w.working_set_tokens() * per_token / (1 << 30), 4)
         tiers = {"max_local_cpu_size": l1_gib, "local_disk": str(tmp / "l2"), "max_local_disk_size": disk_gib}
-        plan = [("vllm", None), ("ours", ours(tiers, args.chunk_size)),
+        plan = [("vllm", None), ("vllm_device", None), ("ours", ours(tiers, args.chunk_size)),
                 ("ours_decode", ours({**tiers, "save_decode_cache": True}, args.chunk_size)),
                 ("ours_no_decode", ours({**tiers, "save_decode_cache": False}, args.chunk_size)),
                 ("ours_lip", ours({**tiers, "cache_policy": "LIP"}, args.chunk_size)),
@@ -367,7 +367,12 @@ def main() -> None:
                 subprocess.run(["rm", "-rf", str(tmp / "l2")], check=True)
             try:
                 chunk = our_chunk_size(kv_config) if kv_config is not None else BLOCK_SIZE
-                rows[name], trace = measure(name, tmp, kv_config=kv_config, chunk_size=chunk, **common)
+                # vllm_device: vLLM alone with room for every conversation's KV beside what runs (a quarter
+                # more for the chat template's tokens): no turn recomputes what it served, nothing is loaded.
+                blocks = num_blocks + math.ceil(1.25 * w.working_set_tokens() / BLOCK_SIZE) \
+                    if name == "vllm_device" else num_blocks
+                rows[name], trace = measure(name, tmp, kv_config=kv_config, chunk_size=chunk,
+                                            **{**common, "num_blocks": blocks})
                 if kv_config is not None:  # our L1 under other eviction policies, replayed on this trace
                     capacity = int(l1_gib * (1 << 30) // (chunk * per_token))
                     device = num_blocks * BLOCK_SIZE // chunk  # vLLM's own cache in front of L1
