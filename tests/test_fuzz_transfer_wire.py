@@ -182,7 +182,9 @@ async def _pull_from_scripted_peer(script: list[bytes], n_keys: int, alloc) -> l
                     return  # the decode side stopped reading and closed
 
     try:
-        tier = PeerTier(PeerSource("127.0.0.1", port, "r"), timeout_s=0.5)
+        # Every script ends by closing the connection, so no case waits for this bound; it only has to outlast
+        # a loaded CI machine's pauses (0.5 s once expired before the peer's first reply: a pull of 0 chunks).
+        tier = PeerTier(PeerSource("127.0.0.1", port, "r"), timeout_s=10.0)
         serving = asyncio.ensure_future(peer())
         got = await tier.get_many([key(i) for i in range(n_keys)], alloc)
         await asyncio.wait_for(serving, 5.0)
