@@ -130,8 +130,9 @@ class LoadPipeline:
         `idle_wait()` is called on an idle step with no load to report (it waits a little for saves)."""
         done = self.requests.abort(finished_req_ids) | self._unloaded
         self._unloaded = set()
-        self.requests.note_step(meta is not None and meta.idle)
-        if meta is not None and meta.idle and not done:
+        idle = meta is not None and meta.idle
+        self.requests.note_step(idle)
+        if idle and not done:
             if self.requests.pending_async():
                 self.requests.wait_for_progress(IDLE_STEP_WAIT_S)
             else:
